@@ -1,0 +1,188 @@
+// none / fp16 / bf16: element-wise casts, the linear codecs that travel by allreduce.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "common.h"
+
+namespace hvdc {
+namespace cast {
+namespace {
+
+__attribute__((target("avx2,f16c"))) void f32_to_f16_avx2(const float* x, uint16_t* y, int64_t n,
+                                                          float s) {
+  const __m256 vs = _mm256_set1_ps(s);
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    for (int u = 0; u < 4; ++u) {
+      __m256 v = _mm256_mul_ps(_mm256_loadu_ps(x + i + 8 * u), vs);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(y + i + 8 * u),
+                       _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    }
+  }
+  for (; i < n; ++i) y[i] = f32_to_f16_bits(x[i] * s);
+}
+
+__attribute__((target("avx2,f16c"))) void f16_to_f32_avx2(const uint16_t* h, float* y, int64_t n) {
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    for (int u = 0; u < 4; ++u) {
+      __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i + 8 * u));
+      _mm256_storeu_ps(y + i + 8 * u, _mm256_cvtph_ps(v));
+    }
+  }
+  for (; i < n; ++i) y[i] = f16_bits_to_f32(h[i]);
+}
+
+__attribute__((target("avx2"))) inline __m256i bf16_round_avx2(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+  const __m256i absu = _mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff));
+  const __m256i nan = _mm256_cmpgt_epi32(absu, _mm256_set1_epi32(0x7f800000));
+  const __m256i quiet = _mm256_or_si256(u, _mm256_set1_epi32(0x00400000));
+  return _mm256_srli_epi32(_mm256_blendv_epi8(rounded, quiet, nan), 16);
+}
+
+__attribute__((target("avx2"))) void f32_to_bf16_avx2(const float* x, uint16_t* y, int64_t n,
+                                                      float s) {
+  const __m256 vs = _mm256_set1_ps(s);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    __m256i a = bf16_round_avx2(_mm256_mul_ps(_mm256_loadu_ps(x + i), vs));
+    __m256i b = bf16_round_avx2(_mm256_mul_ps(_mm256_loadu_ps(x + i + 8), vs));
+    // packus works per 128-bit lane; the permute restores element order.
+    __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(a, b), 0xD8);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i), packed);
+  }
+  for (; i < n; ++i) y[i] = f32_to_bf16_bits(x[i] * s);
+}
+
+__attribute__((target("avx2"))) void bf16_to_f32_avx2(const uint16_t* h, float* y, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i), _mm256_slli_epi32(v, 16));
+  }
+  for (; i < n; ++i) y[i] = bf16_bits_to_f32(h[i]);
+}
+
+// One element of x, pre-scaled, rounded once to the 16-bit wire format W.
+template <class W> uint16_t to_wire(float v);
+template <> uint16_t to_wire<half_t>(float v) { return f32_to_f16_bits(v); }
+template <> uint16_t to_wire<bf16_t>(float v) { return f32_to_bf16_bits(v); }
+template <class W> float from_wire(uint16_t v);
+template <> float from_wire<half_t>(uint16_t v) { return f16_bits_to_f32(v); }
+template <> float from_wire<bf16_t>(uint16_t v) { return bf16_bits_to_f32(v); }
+
+template <class W, class T>
+void encode16(const T* x, int64_t n, double prescale, uint16_t* y) {
+  if constexpr (std::is_same_v<T, double>) {
+    for (int64_t i = 0; i < n; ++i) y[i] = to_wire<W>(f64_to_f32_round_odd(x[i] * prescale));
+  } else {
+    const float s = static_cast<float>(prescale);
+    if constexpr (std::is_same_v<T, float>) {
+      if (cpu_has_avx2_f16c()) {
+        if constexpr (std::is_same_v<W, half_t>) return f32_to_f16_avx2(x, y, n, s);
+        else return f32_to_bf16_avx2(x, y, n, s);
+      }
+    }
+    for (int64_t i = 0; i < n; ++i) y[i] = to_wire<W>(to_acc(x[i]) * s);
+  }
+}
+
+template <class W, class T>
+void decode16(const uint16_t* h, int64_t n, T* out, double alpha, bool acc) {
+  using A = typename Acc<T>::type;
+  if constexpr (std::is_same_v<T, float>) {
+    if (!acc && alpha == 1.0 && cpu_has_avx2_f16c()) {
+      if constexpr (std::is_same_v<W, half_t>) return f16_to_f32_avx2(h, out, n);
+      else return bf16_to_f32_avx2(h, out, n);
+    }
+  }
+  const A a = static_cast<A>(alpha);
+  if (acc) {
+    for (int64_t i = 0; i < n; ++i)
+      out[i] = from_acc<T>(to_acc(out[i]) + a * static_cast<A>(from_wire<W>(h[i])));
+  } else {
+    for (int64_t i = 0; i < n; ++i) out[i] = from_acc<T>(a * static_cast<A>(from_wire<W>(h[i])));
+  }
+}
+
+template <class T>
+void encode_none(const T* x, int64_t n, double prescale, T* y) {
+  if (prescale == 1.0) {
+    std::memcpy(y, x, static_cast<size_t>(n) * sizeof(T));
+    return;
+  }
+  using A = typename Acc<T>::type;
+  const A s = static_cast<A>(prescale);
+  for (int64_t i = 0; i < n; ++i) y[i] = from_acc<T>(to_acc(x[i]) * s);
+}
+
+template <class T>
+void decode_none(const T* y, int64_t n, T* out, double alpha, bool acc) {
+  using A = typename Acc<T>::type;
+  const A a = static_cast<A>(alpha);
+  if (acc) {
+    for (int64_t i = 0; i < n; ++i) out[i] = from_acc<T>(to_acc(out[i]) + a * to_acc(y[i]));
+  } else if (alpha == 1.0) {
+    if (out != y) std::memcpy(out, y, static_cast<size_t>(n) * sizeof(T));
+  } else {
+    for (int64_t i = 0; i < n; ++i) out[i] = from_acc<T>(a * to_acc(y[i]));
+  }
+}
+
+}  // namespace
+
+int64_t payload_bytes(CodecId c, DType d, int64_t n) {
+  return n * (c == kNone ? dtype_size(d) : 2);
+}
+
+void encode(CodecId c, DType d, const void* x, int64_t n, const Params& p, void* payload) {
+  dispatch_dtype(d, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const T* xs = static_cast<const T*>(x);
+    if (c == kNone) encode_none(xs, n, p.prescale, static_cast<T*>(payload));
+    else if (c == kFP16) encode16<half_t>(xs, n, p.prescale, static_cast<uint16_t*>(payload));
+    else encode16<bf16_t>(xs, n, p.prescale, static_cast<uint16_t*>(payload));
+  });
+}
+
+void decode(CodecId c, DType d, const void* payload, int64_t n, void* out, double alpha, bool acc) {
+  dispatch_dtype(d, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    T* o = static_cast<T*>(out);
+    if (c == kNone) decode_none(static_cast<const T*>(payload), n, o, alpha, acc);
+    else if (c == kFP16) decode16<half_t>(static_cast<const uint16_t*>(payload), n, o, alpha, acc);
+    else decode16<bf16_t>(static_cast<const uint16_t*>(payload), n, o, alpha, acc);
+  });
+}
+
+// fp16 / bf16 payloads gathered from every rank (Horovod 0.28.1 cannot sum bfloat16), reduced
+// in float (double for f64 gradients) block by block, rank 0 first.
+void aggregate(CodecId c, DType d, const void* payloads, int64_t ranks, int64_t stride, int64_t n,
+               void* out, double alpha) {
+  const auto* base = static_cast<const uint8_t*>(payloads);
+  dispatch_dtype(d, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    using A = typename Acc<T>::type;
+    constexpr int64_t kBlock = 4096;
+    std::vector<A> accum(static_cast<size_t>(std::min(n, kBlock)));
+    T* o = static_cast<T*>(out);
+    for (int64_t s = 0; s < n; s += kBlock) {
+      const int64_t len = std::min(kBlock, n - s);
+      std::fill(accum.begin(), accum.begin() + len, A(0));
+      for (int64_t r = 0; r < ranks; ++r) {
+        const uint16_t* h = reinterpret_cast<const uint16_t*>(base + r * stride) + s;
+        if (c == kFP16) decode16<half_t>(h, len, accum.data(), alpha, true);
+        else decode16<bf16_t>(h, len, accum.data(), alpha, true);
+      }
+      for (int64_t j = 0; j < len; ++j) o[s + j] = from_acc<T>(accum[j]);
+    }
+  });
+}
+
+}  // namespace cast
+}  // namespace hvdc

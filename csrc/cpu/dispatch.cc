@@ -1,0 +1,150 @@
+// Public entry points: argument checks, then the codec's own file.
+#include <algorithm>
+#include <cstdlib>
+
+#include "common.h"
+
+namespace hvdc {
+namespace {
+
+const char* codec_name(CodecId c) {
+  switch (c) {
+    case kNone: return "none";
+    case kFP16: return "fp16";
+    case kBF16Codec: return "bf16";
+    case kOnebit: return "onebit";
+    case kSignSGD: return "signsgd";
+    case kEFSignSGD: return "efsignsgd";
+    case kTopK: return "topk";
+    case kRandomK: return "randomk";
+  }
+  throw KernelError("unknown codec id " + std::to_string(static_cast<int>(c)) +
+                    " (valid: 0..7: none, fp16, bf16, onebit, signsgd, efsignsgd, topk, randomk)");
+}
+
+bool is_sign(CodecId c) { return c == kOnebit || c == kSignSGD || c == kEFSignSGD; }
+bool is_cast(CodecId c) { return c == kNone || c == kFP16 || c == kBF16Codec; }
+
+void check_common(CodecId c, DType d, int64_t n, const Params& p) {
+  codec_name(c);
+  dtype_size(d);
+  if (d != kF32 && d != kF16 && d != kBF16 && d != kF64)
+    throw KernelError("unsupported gradient dtype code " + std::to_string(static_cast<int>(d)) +
+                      " (valid: float32, float16, bfloat16, float64)");
+  if (n < 0) throw KernelError("element count must be >= 0, got " + std::to_string(n));
+  if (c == kTopK || c == kRandomK) {
+    if (p.k < 0 || p.k > n)
+      throw KernelError(std::string(codec_name(c)) + ": k must be in [0, n] = [0, " +
+                        std::to_string(n) + "], got " + std::to_string(p.k));
+    if (n > 0x7fffffffLL)
+      throw KernelError(std::string(codec_name(c)) + ": tensors above 2^31-1 elements are not "
+                        "supported (int32 indices), got " + std::to_string(n));
+  }
+}
+
+}  // namespace
+
+void check_tag(const void* payload, CodecId c, DType d, int64_t rank) {
+  uint32_t got;
+  std::memcpy(&got, payload, 4);
+  const uint32_t want = payload_tag(c, d);
+  if (got == want) return;
+  std::string from = rank >= 0 ? " from rank " + std::to_string(rank) : "";
+  if ((got & 0xffff0000u) != kTagMagic)
+    throw KernelError("payload" + from + " is not an hvd_compress payload (expected " +
+                      codec_name(c) + ")");
+  throw KernelError("payload" + from + " was made by codec id " + std::to_string((got >> 8) & 0xff) +
+                    " / dtype code " + std::to_string(got & 0xff) + ", this rank expects " +
+                    codec_name(c) + " / dtype code " + std::to_string(static_cast<int>(d)) +
+                    ": ranks must use the same compression spec");
+}
+
+int64_t payload_bytes(CodecId c, DType d, int64_t n, const Params& p) {
+  check_common(c, d, n, p);
+  if (is_cast(c)) return cast::payload_bytes(c, d, n);
+  if (is_sign(c)) return sign::payload_bytes(n);
+  if (c == kTopK) return topk::payload_bytes(d, p.k);
+  return p.k * dtype_size(d);  // randomk
+}
+
+int32_t wire_dtype(CodecId c, DType d) {
+  codec_name(c);
+  if (c == kFP16) return kF16;
+  if (c == kBF16Codec) return kBF16;
+  if (c == kNone || c == kRandomK) return d;
+  return -1;
+}
+
+void encode(CodecId c, DType d, const void* x, int64_t n, const Params& p, void* payload) {
+  check_common(c, d, n, p);
+  if (is_cast(c)) return cast::encode(c, d, x, n, p, payload);
+  if (is_sign(c)) return sign::encode(c, d, x, n, p, payload);
+  if (c == kTopK) return topk::encode(d, x, n, p, payload);
+  return randomk::encode(d, x, n, p, payload);
+}
+
+void decode(CodecId c, DType d, const void* payload, int64_t n, const Params& p, void* out,
+            double alpha, bool accumulate) {
+  check_common(c, d, n, p);
+  if (is_cast(c)) return cast::decode(c, d, payload, n, out, alpha, accumulate);
+  if (is_sign(c)) return sign::decode(c, d, payload, n, out, alpha, accumulate);
+  if (c == kTopK) return topk::decode(d, payload, n, p, out, alpha, accumulate);
+  return randomk::decode(d, payload, n, p, out, alpha, accumulate);
+}
+
+void aggregate(CodecId c, DType d, const void* payloads, int64_t ranks, int64_t stride, int64_t n,
+               const Params& p, void* out, double alpha) {
+  check_common(c, d, n, p);
+  if (ranks < 1) throw KernelError("aggregate needs at least one payload, got " + std::to_string(ranks));
+  if (stride < payload_bytes(c, d, n, p))
+    throw KernelError(std::string(codec_name(c)) + ": gathered payloads are " + std::to_string(stride) +
+                      " bytes apart but one payload is " + std::to_string(payload_bytes(c, d, n, p)) +
+                      " bytes");
+  if (is_sign(c)) return sign::aggregate(c, d, payloads, ranks, stride, n, out, alpha);
+  if (c == kFP16 || c == kBF16Codec) return cast::aggregate(c, d, payloads, ranks, stride, n, out, alpha);
+  if (c == kTopK) return topk::aggregate(d, payloads, ranks, stride, n, p, out, alpha);
+  throw KernelError(std::string(codec_name(c)) +
+                    " payloads are reduced by allreduce, not aggregated locally");
+}
+
+void ef_encode(CodecId c, DType d, const void* x, void* e, int64_t n, const Params& p,
+               void* payload) {
+  check_common(c, d, n, p);
+  if (is_sign(c)) return sign::ef_encode(c, d, x, e, n, p, payload);
+  dispatch_dtype(d, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const T* xs = static_cast<const T*>(x);
+    T* es = static_cast<T*>(e);
+    for (int64_t i = 0; i < n; ++i) es[i] = from_acc<T>(to_acc(xs[i]) + to_acc(es[i]));
+  });
+  encode(c, d, e, n, p, payload);
+  decode(c, d, payload, n, p, e, -1.0, true);
+}
+
+void nesterov(DType d, void* x, void* m, int64_t n, double mu) {
+  if (n < 0) throw KernelError("element count must be >= 0, got " + std::to_string(n));
+  dispatch_dtype(d, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    using A = typename Acc<T>::type;
+    T* xs = static_cast<T*>(x);
+    T* ms = static_cast<T*>(m);
+    const A u = static_cast<A>(mu);
+    for (int64_t i = 0; i < n; ++i) {
+      ms[i] = from_acc<T>(u * to_acc(ms[i]) + to_acc(xs[i]));
+      xs[i] = from_acc<T>(u * to_acc(ms[i]) + to_acc(xs[i]));
+    }
+  });
+}
+
+bool cpu_has_avx2_f16c() {
+  static const bool has = [] {
+    if (const char* env = std::getenv("HVDC_FORCE_SCALAR"); env && env[0] == '1') return false;
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+  }();
+  return has;
+}
+
+const char* cpu_isa() { return cpu_has_avx2_f16c() ? "avx2+f16c" : "scalar"; }
+
+}  // namespace hvdc

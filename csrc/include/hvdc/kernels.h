@@ -1,0 +1,72 @@
+// Framework-neutral codec kernels. Both frontends (the torch extension and, later, the
+// TensorFlow custom ops) call exactly these entry points on raw buffers, so a codec's numerics
+// are defined once. CUDA versions will sit beside the CPU ones with the same signatures.
+#pragma once
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+namespace hvdc {
+
+// Gradient element types. Values match hvd_compress.registry.DTYPES.
+enum DType : int32_t { kF32 = 0, kF16 = 1, kBF16 = 2, kF64 = 3 };
+
+// Codec ids. Values match the `kernel_id` of each entry in hvd_compress.registry.
+enum CodecId : int32_t {
+  kNone = 0,
+  kFP16 = 1,
+  kBF16Codec = 2,
+  kOnebit = 3,
+  kSignSGD = 4,
+  kEFSignSGD = 5,
+  kTopK = 6,
+  kRandomK = 7,
+};
+
+struct Params {
+  int64_t k = 0;          // topk / randomk: number of elements kept (0 <= k <= n)
+  uint64_t seed = 0;      // randomk: per (seed, step, parameter) value, identical on all ranks
+  double prescale = 1.0;  // fp16 / bf16 / none: multiply before the cast (overflow guard)
+  bool scaling = true;    // sign codecs: scale = mean|x| (else 1)
+  bool rescale = false;   // randomk: multiply kept values by the stratum size (unbiased)
+};
+
+// Raised for any bad argument; the message names what was wrong.
+struct KernelError : std::invalid_argument {
+  explicit KernelError(const std::string& m) : std::invalid_argument(m) {}
+};
+
+// Bytes of one rank's payload for n elements of dtype.
+int64_t payload_bytes(CodecId codec, DType dtype, int64_t n, const Params& p);
+
+// Element type of the payload as the collective sees it. Linear codecs travel by allreduce,
+// so their payload is a typed array; non-linear ones are bytes (returned as -1).
+int32_t wire_dtype(CodecId codec, DType dtype);
+
+void encode(CodecId codec, DType dtype, const void* x, int64_t n, const Params& p,
+            void* payload);
+
+// out = alpha * D(payload)            (accumulate == false)
+// out = out + alpha * D(payload)      (accumulate == true)
+void decode(CodecId codec, DType dtype, const void* payload, int64_t n, const Params& p,
+            void* out, double alpha, bool accumulate);
+
+// Reduction of `ranks` payloads laid out `stride` bytes apart (the result of an allgather).
+// Mean-style codecs: out = sum_r alpha * D(payload_r), accumulated in float (double for f64).
+// signsgd: out = sign(sum_r sign_r) * mean_r(scale_r) * alpha * ranks (majority vote).
+void aggregate(CodecId codec, DType dtype, const void* payloads, int64_t ranks, int64_t stride,
+               int64_t n, const Params& p, void* out, double alpha);
+
+// Error feedback around any codec, one call: p = x + e; payload = C(p); e = p - D(payload).
+// Sign codecs run fused (two passes over e, none over a temporary).
+void ef_encode(CodecId codec, DType dtype, const void* x, void* e, int64_t n, const Params& p,
+               void* payload);
+
+// Worker-side Nesterov momentum, in place on x: m = mu * m + x; x = mu * m + x.
+void nesterov(DType dtype, void* x, void* m, int64_t n, double mu);
+
+// Which SIMD path the CPU kernels take on this machine ("avx2+f16c" or "scalar").
+const char* cpu_isa();
+
+}  // namespace hvdc

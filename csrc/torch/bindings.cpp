@@ -1,0 +1,140 @@
+// torch extension: tensors in, the framework-neutral kernels of csrc/cpu called on their data.
+#include <torch/extension.h>
+
+#include "hvdc/kernels.h"
+
+namespace {
+
+hvdc::DType dtype_of(const at::Tensor& t, const char* what) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return hvdc::kF32;
+    case at::kHalf: return hvdc::kF16;
+    case at::kBFloat16: return hvdc::kBF16;
+    case at::kDouble: return hvdc::kF64;
+    default:
+      throw hvdc::KernelError(std::string(what) + " has dtype " +
+                              std::string(c10::toString(t.scalar_type())) +
+                              "; valid: float32, float16, bfloat16, float64");
+  }
+}
+
+at::ScalarType scalar_of(int32_t d) {
+  switch (d) {
+    case hvdc::kF32: return at::kFloat;
+    case hvdc::kF16: return at::kHalf;
+    case hvdc::kBF16: return at::kBFloat16;
+    case hvdc::kF64: return at::kDouble;
+    default: return at::kByte;
+  }
+}
+
+void check_cpu(const at::Tensor& t, const char* what) {
+  if (!t.device().is_cpu())
+    throw hvdc::KernelError(std::string(what) + " is on " + t.device().str() +
+                            "; this build has CPU kernels only");
+}
+
+void check_out(const at::Tensor& out, const at::Tensor& like, const char* what) {
+  check_cpu(out, what);
+  if (!out.is_contiguous()) throw hvdc::KernelError(std::string(what) + " must be contiguous");
+  if (out.scalar_type() != like.scalar_type() || out.numel() != like.numel())
+    throw hvdc::KernelError(std::string(what) + " must match the gradient: " +
+                            std::string(c10::toString(like.scalar_type())) + "[" +
+                            std::to_string(like.numel()) + "], got " +
+                            std::string(c10::toString(out.scalar_type())) + "[" +
+                            std::to_string(out.numel()) + "]");
+}
+
+void check_payload(const at::Tensor& payload, int64_t codec, hvdc::DType d, int64_t n,
+                   const hvdc::Params& p) {
+  check_cpu(payload, "payload");
+  if (!payload.is_contiguous()) throw hvdc::KernelError("payload must be contiguous");
+  const int64_t want = hvdc::payload_bytes(static_cast<hvdc::CodecId>(codec), d, n, p);
+  const int64_t got = payload.numel() * payload.element_size();
+  if (got != want)
+    throw hvdc::KernelError("payload has " + std::to_string(got) + " bytes, the codec needs " +
+                            std::to_string(want) + " for " + std::to_string(n) + " elements");
+}
+
+at::Tensor new_payload(int64_t codec, const at::Tensor& x, const hvdc::Params& p) {
+  const auto c = static_cast<hvdc::CodecId>(codec);
+  const auto d = dtype_of(x, "gradient");
+  const int64_t bytes = hvdc::payload_bytes(c, d, x.numel(), p);
+  const int32_t wd = hvdc::wire_dtype(c, d);
+  if (wd < 0) return at::empty({bytes}, x.options().dtype(at::kByte));
+  const auto st = scalar_of(wd);
+  return at::empty({bytes / static_cast<int64_t>(c10::elementSize(st))}, x.options().dtype(st));
+}
+
+void encode(int64_t codec, const at::Tensor& x, const hvdc::Params& p, at::Tensor& payload) {
+  check_cpu(x, "gradient");
+  const auto d = dtype_of(x, "gradient");
+  auto xc = x.contiguous();
+  check_payload(payload, codec, d, xc.numel(), p);
+  hvdc::encode(static_cast<hvdc::CodecId>(codec), d, xc.data_ptr(), xc.numel(), p,
+               payload.data_ptr());
+}
+
+void decode(int64_t codec, const at::Tensor& payload, at::Tensor& out, const hvdc::Params& p,
+            double alpha, bool accumulate) {
+  check_out(out, out, "output");
+  const auto d = dtype_of(out, "output");
+  check_payload(payload, codec, d, out.numel(), p);
+  hvdc::decode(static_cast<hvdc::CodecId>(codec), d, payload.data_ptr(), out.numel(), p,
+               out.data_ptr(), alpha, accumulate);
+}
+
+void aggregate(int64_t codec, const at::Tensor& gathered, at::Tensor& out, const hvdc::Params& p,
+               double alpha) {
+  check_out(out, out, "output");
+  check_cpu(gathered, "gathered payloads");
+  if (gathered.dim() != 2 || gathered.scalar_type() != at::kByte || !gathered.is_contiguous())
+    throw hvdc::KernelError("gathered payloads must be a contiguous uint8 [ranks, bytes] tensor");
+  const auto d = dtype_of(out, "output");
+  const int64_t want = hvdc::payload_bytes(static_cast<hvdc::CodecId>(codec), d, out.numel(), p);
+  if (gathered.size(1) != want)
+    throw hvdc::KernelError("gathered payloads are " + std::to_string(gathered.size(1)) +
+                            " bytes per rank, the codec needs " + std::to_string(want) +
+                            ": ranks disagree on the tensor size or the codec parameters");
+  hvdc::aggregate(static_cast<hvdc::CodecId>(codec), d, gathered.data_ptr(), gathered.size(0),
+                  gathered.size(1), out.numel(), p, out.data_ptr(), alpha);
+}
+
+void ef_encode(int64_t codec, const at::Tensor& x, at::Tensor& e, const hvdc::Params& p,
+               at::Tensor& payload) {
+  check_cpu(x, "gradient");
+  check_out(e, x, "error-feedback residual");
+  const auto d = dtype_of(x, "gradient");
+  auto xc = x.contiguous();
+  check_payload(payload, codec, d, xc.numel(), p);
+  hvdc::ef_encode(static_cast<hvdc::CodecId>(codec), d, xc.data_ptr(), e.data_ptr(), xc.numel(), p,
+                  payload.data_ptr());
+}
+
+void nesterov(at::Tensor& x, at::Tensor& m, double mu) {
+  check_out(x, x, "gradient");
+  check_out(m, x, "momentum buffer");
+  hvdc::nesterov(dtype_of(x, "gradient"), x.data_ptr(), m.data_ptr(), x.numel(), mu);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "hvd_compress codec kernels (CPU)";
+  py::class_<hvdc::Params>(m, "Params")
+      .def(py::init<>())
+      .def_readwrite("k", &hvdc::Params::k)
+      .def_readwrite("seed", &hvdc::Params::seed)
+      .def_readwrite("prescale", &hvdc::Params::prescale)
+      .def_readwrite("scaling", &hvdc::Params::scaling)
+      .def_readwrite("rescale", &hvdc::Params::rescale);
+  py::register_exception<hvdc::KernelError>(m, "KernelError", PyExc_ValueError);
+  using G = py::call_guard<py::gil_scoped_release>;
+  m.def("new_payload", &new_payload, G());
+  m.def("encode", &encode, G());
+  m.def("decode", &decode, G());
+  m.def("aggregate", &aggregate, G());
+  m.def("ef_encode", &ef_encode, G());
+  m.def("nesterov", &nesterov, G());
+  m.def("cpu_isa", &hvdc::cpu_isa);
+}

@@ -1,0 +1,155 @@
+"""The codec registry: one entry per codec, the single place that states its name, parameters,
+defaults, collective and wire layout. Frontends and optimizers read entries; they never branch
+on a codec's name, so adding a codec means one kernel family in csrc/ plus one entry here.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+# Gradient dtypes known to the kernels (codes match csrc/include/hvdc/kernels.h).
+DTYPES = {"float32": 0, "float16": 1, "bfloat16": 2, "float64": 3}
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+
+
+@dataclass(frozen=True)
+class Param:
+    """One codec parameter: its type, default and the range it must lie in."""
+
+    name: str
+    kind: type
+    default: Any
+    valid: str
+    doc: str
+    check: Callable[[Any], bool] = field(default=lambda v: True, compare=False)
+
+    def describe(self) -> str:
+        return f"{self.name} ({self.valid}, default {self.default!r})"
+
+
+@dataclass(frozen=True)
+class CodecInfo:
+    """What a frontend needs to run a codec.
+
+    collective: "allreduce" when payloads may be summed as they travel (linear codecs), else
+    "allgather": every rank's payload is gathered and reduced locally by `aggregate`.
+    aggregation: how gathered payloads combine: "mean" of the decoded values, or "majority"
+    (sign of the vote, signSGD). Allreduce codecs sum (then average) their payloads.
+    builtin_ef: error feedback is part of the codec (efsignsgd); ef=none is refused.
+    uses_seed: the codec draws random numbers from the spec's seed (randomk).
+    """
+
+    name: str
+    kernel_id: int
+    collective: str
+    aggregation: str
+    params: tuple[Param, ...]
+    wire: str
+    doc: str
+    bits_per_element: Callable[[int, dict], float]
+    builtin_ef: bool = False
+    uses_seed: bool = False
+    collective_note: str = ""
+
+    @property
+    def linear(self) -> bool:
+        return self.collective == "allreduce"
+
+    def param(self, name: str) -> Param:
+        for p in self.params:
+            if p.name == name:
+                return p
+        raise KeyError(name)
+
+    def kept(self, params: dict, n: int) -> int:
+        """Elements kept out of n for the sparsifiers (`k`: fraction < 1, or count >= 1)."""
+        k = params.get("k")
+        if k is None:
+            return n
+        if k < 1:
+            return min(n, max(1, math.ceil(k * n))) if n > 0 else 0
+        return min(n, int(k))
+
+
+def _k_ok(v: float) -> bool:
+    return v > 0 and (v < 1 or float(v).is_integer())
+
+
+K_PARAM = Param("k", float, 0.01, "a fraction in (0, 1) or an integer count >= 1",
+                "elements kept: k < 1 is a fraction of the tensor, k >= 1 a count", _k_ok)
+SCALING = Param("scaling", bool, True, "true or false",
+                "decode to +-mean|x| (true) or +-1 (false)")
+
+_REGISTRY: dict[str, CodecInfo] = {}
+
+
+def register(info: CodecInfo) -> CodecInfo:
+    if info.name in _REGISTRY:
+        raise ValueError(f"codec {info.name!r} is already registered")
+    _REGISTRY[info.name] = info
+    return info
+
+
+def codecs() -> list[CodecInfo]:
+    """All registered codecs, in registration order."""
+    return list(_REGISTRY.values())
+
+
+def get_codec(name: str) -> CodecInfo:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown codec {name!r}; valid codecs: {', '.join(_REGISTRY)}") from None
+
+
+def _sign_bits(itemsize: int, params: dict) -> float:
+    return 1.0
+
+
+register(CodecInfo(
+    name="none", kernel_id=0, collective="allreduce", aggregation="mean", params=(),
+    wire="the gradient itself", doc="no compression: Horovod's plain allreduce",
+    bits_per_element=lambda isz, p: 8.0 * isz))
+register(CodecInfo(
+    name="fp16", kernel_id=1, collective="allreduce", aggregation="mean", params=(),
+    wire="float16[n], pre-divided by the world size (overflow guard)",
+    doc="cast to IEEE half precision, round to nearest even",
+    bits_per_element=lambda isz, p: 16.0))
+register(CodecInfo(
+    name="bf16", kernel_id=2, collective="allgather", aggregation="mean", params=(),
+    wire="bfloat16[n]", doc="cast to bfloat16, round to nearest even",
+    bits_per_element=lambda isz, p: 16.0,
+    collective_note="linear, but Horovod 0.28.1 has no bfloat16 reduction: payloads are "
+                    "allgathered and summed locally in float32"))
+register(CodecInfo(
+    name="onebit", kernel_id=3, collective="allgather", aggregation="mean", params=(SCALING,),
+    wire="[u32 tag][f32 scale][sign bits, 64 per u64 word]",
+    doc="1 bit per element (x < 0), decoded to +-scale, scale = mean|x| (BytePS onebit)",
+    bits_per_element=_sign_bits))
+register(CodecInfo(
+    name="signsgd", kernel_id=4, collective="allgather", aggregation="majority",
+    params=(SCALING,), wire="[u32 tag][f32 scale][sign bits, 64 per u64 word]",
+    doc="signSGD with majority vote: sign of the summed signs, times the mean scale",
+    bits_per_element=_sign_bits))
+register(CodecInfo(
+    name="efsignsgd", kernel_id=5, collective="allgather", aggregation="mean", params=(),
+    wire="[u32 tag][f32 scale][sign bits, 64 per u64 word]",
+    doc="EF-signSGD (Karimireddy et al. 2019): p = g + e, sign(p) * |p|_1/n, e = p - decoded; "
+        "error feedback fused into the kernel",
+    bits_per_element=_sign_bits, builtin_ef=True))
+register(CodecInfo(
+    name="topk", kernel_id=6, collective="allgather", aggregation="mean", params=(K_PARAM,),
+    wire="[u32 tag][u32 k][i32 indices, ascending][k values, gradient dtype]",
+    doc="the k largest magnitudes (ties: lower index first), fixed k per tensor",
+    bits_per_element=lambda isz, p: (p.get("k", 0.01) if p.get("k", 0.01) < 1 else float("nan"))
+    * (32 + 8 * isz)))
+register(CodecInfo(
+    name="randomk", kernel_id=7, collective="allreduce", aggregation="mean",
+    params=(K_PARAM, Param("rescale", bool, False, "true or false",
+                           "multiply kept values by n/k (unbiased; leave off with ef)")),
+    wire="k values in the gradient dtype; indices regenerated from the shared seed",
+    doc="one random element per stratum of n/k, indices from (seed, step, parameter name) "
+        "identical on all ranks, so values are allreduced and no index is sent",
+    bits_per_element=lambda isz, p: (p.get("k", 0.01) if p.get("k", 0.01) < 1 else float("nan"))
+    * 8 * isz, uses_seed=True))

@@ -1,0 +1,183 @@
+"""Compression specs: one format for every entry point.
+
+    "topk,k=0.01,ef=vanilla,momentum=nesterov,mu=0.9"
+    {"compressor": "topk", "k": 0.01, "ef": "vanilla", "momentum": "nesterov", "seed": 7}
+
+Both parse into a frozen, hashable `CompressionConfig`. Dict keys follow BytePS
+(`compressor`, `k`, `scaling`, `ef`, `momentum`, `seed`); `codec` is accepted for `compressor`.
+Anything unknown, missing or out of range raises ValueError naming the item and the valid ones.
+"""
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from .registry import CodecInfo, codecs, get_codec
+
+EF_CHOICES = ("none", "vanilla")
+MOMENTUM_CHOICES = ("none", "nesterov")
+DEFAULT_MU = 0.9
+# Keys that decorate any codec rather than parametrise one.
+DECORATOR_KEYS = ("ef", "momentum", "mu", "seed")
+
+
+@dataclass(frozen=True)
+class CompressionConfig:
+    codec: str
+    params: tuple[tuple[str, Any], ...]
+    ef: str = "none"
+    momentum: str = "none"
+    mu: float = DEFAULT_MU
+    seed: int = 0
+
+    @property
+    def info(self) -> CodecInfo:
+        return get_codec(self.codec)
+
+    @property
+    def param_dict(self) -> dict[str, Any]:
+        return dict(self.params)
+
+    def canonical(self) -> str:
+        """The spec as a string with every default spelled out; equal configs, equal strings."""
+        items = [self.codec] + [f"{k}={_fmt(v)}" for k, v in self.params]
+        items += [f"ef={self.ef}", f"momentum={self.momentum}"]
+        if self.momentum != "none":
+            items.append(f"mu={_fmt(self.mu)}")
+        items.append(f"seed={self.seed}")
+        return ",".join(items)
+
+    def fingerprint(self) -> int:
+        """A 31-bit digest of canonical(), for checking that all ranks run the same spec."""
+        return zlib.crc32(self.canonical().encode()) & 0x7FFFFFFF
+
+    def __str__(self) -> str:
+        return self.canonical()
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return repr(v) if isinstance(v, float) else str(v)
+
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def _coerce(where: str, kind: type, value: Any) -> Any:
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
+            return value.strip().lower() in _TRUE
+        if isinstance(value, int) and value in (0, 1):
+            return bool(value)
+        raise ValueError(f"{where} must be true or false, got {value!r}")
+    if kind is int:
+        if isinstance(value, bool):
+            raise ValueError(f"{where} must be an integer, got {value!r}")
+        try:
+            f = float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{where} must be an integer, got {value!r}") from None
+        if not f.is_integer():
+            raise ValueError(f"{where} must be an integer, got {value!r}")
+        return int(f)
+    if kind is float:
+        if isinstance(value, bool):
+            raise ValueError(f"{where} must be a number, got {value!r}")
+        try:
+            f = float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{where} must be a number, got {value!r}") from None
+        if f != f or f in (float("inf"), float("-inf")):
+            raise ValueError(f"{where} must be a finite number, got {value!r}")
+        return f
+    return str(value)
+
+
+def _split_string(spec: str) -> dict[str, Any]:
+    parts = [p.strip() for p in spec.split(",")]
+    if not parts or not parts[0]:
+        raise ValueError(f"empty compression spec {spec!r}; it starts with a codec name, one of: "
+                         f"{', '.join(c.name for c in codecs())}")
+    out: dict[str, Any] = {}
+    first = parts[0]
+    rest = parts[1:]
+    if "=" in first:
+        rest = parts
+    else:
+        out["compressor"] = first
+    for item in rest:
+        if not item:
+            raise ValueError(f"empty item in compression spec {spec!r}")
+        if "=" not in item:
+            raise ValueError(f"spec item {item!r} has no value: write {item}=VALUE")
+        key, value = (s.strip() for s in item.split("=", 1))
+        if not key or value == "":
+            raise ValueError(f"spec item {item!r} needs both a name and a value")
+        if key in out:
+            raise ValueError(f"spec item {key!r} is given twice in {spec!r}")
+        out[key] = value
+    return out
+
+
+def parse_spec(spec: Any) -> CompressionConfig:
+    """Parse a string, dict or CompressionConfig (None means no compression)."""
+    if isinstance(spec, CompressionConfig):
+        return spec
+    if spec is None:
+        spec = "none"
+    if isinstance(spec, str):
+        items = _split_string(spec)
+    elif isinstance(spec, Mapping):
+        items = dict(spec)
+        if "codec" in items:
+            if "compressor" in items:
+                raise ValueError("give the codec once: 'compressor' or 'codec', not both")
+            items["compressor"] = items.pop("codec")
+    else:
+        raise ValueError(f"compression spec must be a string, a dict or a CompressionConfig, "
+                         f"got {type(spec).__name__}")
+
+    if "compressor" not in items:
+        raise ValueError("compression spec names no codec: add compressor=NAME; valid codecs: "
+                         + ", ".join(c.name for c in codecs()))
+    info = get_codec(str(items.pop("compressor")).strip())
+
+    ef = _coerce("ef", str, items.pop("ef", "vanilla" if info.builtin_ef else "none"))
+    if ef not in EF_CHOICES:
+        raise ValueError(f"ef={ef!r} is not valid; valid: {', '.join(EF_CHOICES)}")
+    if info.builtin_ef and ef != "vanilla":
+        raise ValueError(f"{info.name} has error feedback built in, so ef={ef} is not valid; use "
+                         f"onebit for sign compression without error feedback")
+    momentum = _coerce("momentum", str, items.pop("momentum", "none"))
+    if momentum not in MOMENTUM_CHOICES:
+        raise ValueError(f"momentum={momentum!r} is not valid; valid: {', '.join(MOMENTUM_CHOICES)}")
+    if "mu" in items and momentum == "none":
+        raise ValueError("mu is the momentum factor of momentum=nesterov; it has no effect "
+                         "without it: add momentum=nesterov or drop mu")
+    mu = _coerce("mu", float, items.pop("mu", DEFAULT_MU))
+    if not 0.0 <= mu < 1.0:
+        raise ValueError(f"mu must be in [0, 1), got {mu}")
+    seed = _coerce("seed", int, items.pop("seed", 0))
+    if not 0 <= seed < 2**63:
+        raise ValueError(f"seed must be in [0, 2^63), got {seed}")
+
+    params = []
+    for p in info.params:
+        if p.name in items:
+            value = _coerce(f"{info.name}: {p.name}", p.kind, items.pop(p.name))
+            if not p.check(value):
+                raise ValueError(f"{info.name}: {p.name} must be {p.valid}, got {value!r}")
+        else:
+            value = p.default
+        params.append((p.name, value))
+    if items:
+        bad = sorted(items)[0]
+        valid = [p.describe() for p in info.params] + list(DECORATOR_KEYS)
+        raise ValueError(f"codec {info.name!r} has no parameter {bad!r}; valid: {', '.join(valid)}")
+    return CompressionConfig(codec=info.name, params=tuple(params), ef=ef, momentum=momentum,
+                             mu=mu, seed=seed)

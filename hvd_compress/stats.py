@@ -1,0 +1,53 @@
+"""Compression statistics: bytes before and after compression, per tensor and per step."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class TensorStats:
+    codec: str
+    raw_bytes: int = 0    # gradient bytes in the last step
+    sent_bytes: int = 0   # bytes this rank put on the wire in the last step
+    total_raw: int = 0
+    total_sent: int = 0
+
+
+class CompressionStats:
+    def __init__(self) -> None:
+        self.tensors: dict[str, TensorStats] = {}
+        self.steps = 0
+        self._step_raw = 0
+        self._step_sent = 0
+        self.last_step_raw = 0
+        self.last_step_sent = 0
+        self.total_raw = 0
+        self.total_sent = 0
+
+    def record(self, name: str, codec: str, raw_bytes: int, sent_bytes: int) -> None:
+        t = self.tensors.get(name)
+        if t is None:
+            t = self.tensors[name] = TensorStats(codec)
+        t.codec = codec
+        t.raw_bytes, t.sent_bytes = raw_bytes, sent_bytes
+        t.total_raw += raw_bytes
+        t.total_sent += sent_bytes
+        self._step_raw += raw_bytes
+        self._step_sent += sent_bytes
+
+    def end_step(self) -> None:
+        self.steps += 1
+        self.last_step_raw, self.last_step_sent = self._step_raw, self._step_sent
+        self.total_raw += self._step_raw
+        self.total_sent += self._step_sent
+        self._step_raw = self._step_sent = 0
+
+    @property
+    def ratio(self) -> float:
+        """Uncompressed bytes over sent bytes, over all steps so far."""
+        return self.total_raw / self.total_sent if self.total_sent else 1.0
+
+    def summary(self) -> dict:
+        return {"steps": self.steps, "last_step_raw_bytes": self.last_step_raw,
+                "last_step_sent_bytes": self.last_step_sent, "total_raw_bytes": self.total_raw,
+                "total_sent_bytes": self.total_sent, "ratio": self.ratio}

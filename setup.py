@@ -1,0 +1,43 @@
+"""hvd_compress: gradient compression for Horovod (PyTorch now; TensorFlow next).
+
+The codec kernels in csrc/ are compiled into a torch extension when torch is installed; the
+framework-neutral core (hvd_compress/) installs and imports without any framework.
+"""
+import glob
+import os
+
+from setuptools import find_packages, setup
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+KERNEL_SOURCES = sorted(glob.glob(os.path.join("csrc", "cpu", "*.cc")))
+# -ffp-contract=off keeps a*b+c as two roundings, so the kernels match their numpy references
+# bit for bit whatever instructions the compiler picks.
+CXX_FLAGS = ["-O3", "-std=c++17", "-ffp-contract=off", "-fno-math-errno"]
+
+
+def torch_extensions():
+    try:
+        from torch.utils.cpp_extension import BuildExtension, CppExtension
+    except ImportError:
+        return [], {}
+    ext = CppExtension(
+        "hvd_compress.torch._C",
+        KERNEL_SOURCES + ["csrc/torch/bindings.cpp"],
+        include_dirs=[os.path.join(ROOT, "csrc", "include")],
+        extra_compile_args=CXX_FLAGS,
+    )
+    return [ext], {"build_ext": BuildExtension.with_options(use_ninja=False)}
+
+
+ext_modules, cmdclass = torch_extensions()
+
+setup(
+    name="hvd_compress",
+    version="0.1.0",
+    description="Gradient compression codecs for Horovod, in compiled kernels",
+    packages=find_packages(include=["hvd_compress", "hvd_compress.*"]),
+    python_requires=">=3.11",
+    install_requires=["numpy"],
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+)
