@@ -38,6 +38,8 @@ class CodecInfo:
     (sign of the vote, signSGD). Allreduce codecs sum (then average) their payloads.
     builtin_ef: error feedback is part of the codec (efsignsgd); ef=none is refused.
     uses_seed: the codec draws random numbers from the spec's seed (randomk).
+    prescale_average: with op=Average the payload is divided by the world size before the sum
+    (fp16: the sum of many ranks could overflow half precision).
     """
 
     name: str
@@ -50,6 +52,7 @@ class CodecInfo:
     bits_per_element: Callable[[int, dict], float]
     builtin_ef: bool = False
     uses_seed: bool = False
+    prescale_average: bool = False
     collective_note: str = ""
 
     @property
@@ -115,7 +118,7 @@ register(CodecInfo(
     name="fp16", kernel_id=1, collective="allreduce", aggregation="mean", params=(),
     wire="float16[n], pre-divided by the world size (overflow guard)",
     doc="cast to IEEE half precision, round to nearest even",
-    bits_per_element=lambda isz, p: 16.0))
+    bits_per_element=lambda isz, p: 16.0, prescale_average=True))
 register(CodecInfo(
     name="bf16", kernel_id=2, collective="allgather", aggregation="mean", params=(),
     wire="bfloat16[n]", doc="cast to bfloat16, round to nearest even",

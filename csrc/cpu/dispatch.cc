@@ -110,6 +110,8 @@ void aggregate(CodecId c, DType d, const void* payloads, int64_t ranks, int64_t 
 void ef_encode(CodecId c, DType d, const void* x, void* e, int64_t n, const Params& p,
                void* payload) {
   check_common(c, d, n, p);
+  if (!(p.prescale > 0.0))
+    throw KernelError("prescale must be > 0, got " + std::to_string(p.prescale));
   if (is_sign(c)) return sign::ef_encode(c, d, x, e, n, p, payload);
   dispatch_dtype(d, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
@@ -118,7 +120,8 @@ void ef_encode(CodecId c, DType d, const void* x, void* e, int64_t n, const Para
     for (int64_t i = 0; i < n; ++i) es[i] = from_acc<T>(to_acc(xs[i]) + to_acc(es[i]));
   });
   encode(c, d, e, n, p, payload);
-  decode(c, d, payload, n, p, e, -1.0, true);
+  // D undoes the prescale, so the residual is measured in gradient units.
+  decode(c, d, payload, n, p, e, -1.0 / p.prescale, true);
 }
 
 void nesterov(DType d, void* x, void* m, int64_t n, double mu) {

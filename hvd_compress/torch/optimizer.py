@@ -1,0 +1,171 @@
+"""hvd_compress.torch.DistributedOptimizer: Horovod's DistributedOptimizer with a compression
+pipeline per parameter.
+
+Built the way Horovod builds its own: a class made on the fly from the user's optimizer class and
+Horovod's `_DistributedOptimizer` methods, so hooks, `backward_passes_per_step`, `synchronize()`
+/ `skip_synchronize()`, `zero_grad` checks and `hvd.broadcast_optimizer_state` behave exactly as
+in Horovod. Only the per-parameter reduction is ours:
+
+    1. compensate: Nesterov momentum (m = mu*m + g; p = mu*m + g) and/or error feedback
+       (p = p + e), state kept per parameter name in a StateStore;
+    2. compress p in a kernel (EF: e = p - D(C(p)) in the same call);
+    3. issue the codec's collective asynchronously, overlapped with the rest of backward:
+       allreduce for linear codecs, allgather of the packed payloads for the others;
+    4. in synchronize(): decode (allreduce) or decode-and-reduce every rank's payload
+       (allgather) into the gradient.
+
+Tensors under `min_compress_bytes` go through Horovod's plain allreduce, as do sparse gradients.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import horovod.torch as hvd
+import torch
+from horovod.torch.optimizer import _DistributedOptimizer
+
+from ..spec import CompressionConfig
+from ..state import StateStore
+from ..stats import CompressionStats
+from .codec import DTYPE_NAMES, TorchAdapter, TorchCodec
+from .compression import Compression, Compressor
+
+DEFAULT_MIN_COMPRESS_BYTES = 65536
+
+
+def _to_config(compression: Any) -> CompressionConfig:
+    if isinstance(compression, Compressor):
+        return compression.config
+    if compression is hvd.Compression.none:
+        return Compression.from_spec("none").config
+    if compression is hvd.Compression.fp16:
+        return Compression.from_spec("fp16").config
+    return Compression.from_spec(compression).config
+
+
+class _CompressedReduction:
+    """Methods that replace Horovod's per-parameter allreduce (copied into the dynamic class)."""
+
+    def __init__(self, params, named_parameters, config, min_compress_bytes,
+                 backward_passes_per_step, op, gradient_predivide_factor, sparse_as_dense,
+                 process_set):
+        self._hvdc_config = config
+        self._hvdc_min_bytes = min_compress_bytes
+        self._hvdc_store = StateStore(TorchAdapter(), spec=config.canonical())
+        self._hvdc_stats = CompressionStats()
+        self._hvdc_codec = TorchCodec(config, self._hvdc_store)
+        _DistributedOptimizer.__init__(
+            self, params, named_parameters, hvd.Compression.none,
+            backward_passes_per_step=backward_passes_per_step, op=op,
+            gradient_predivide_factor=gradient_predivide_factor, groups=None,
+            sparse_as_dense=sparse_as_dense, process_set=process_set)
+
+    def _allreduce_grad_async(self, p):
+        if p.grad is None:
+            p.grad = p.data.new(p.size()).zero_()
+        grad = p.grad
+        name = self._parameter_names.get(p)
+        if (grad.is_sparse or self._hvdc_config.codec == "none" or grad.dtype not in DTYPE_NAMES
+                or grad.numel() * grad.element_size() < self._hvdc_min_bytes):
+            handle, ctx = _DistributedOptimizer._allreduce_grad_async(self, p)
+            if not grad.is_sparse:
+                nbytes = grad.numel() * grad.element_size()
+                self._hvdc_stats.record(name, "none", nbytes, nbytes)
+            return handle, ctx
+
+        codec, info = self._hvdc_codec, self._hvdc_codec.info
+        world = self.process_set.size()
+        average = self.op == hvd.Average
+        prescale = 1.0 / world if (average and info.prescale_average) else 1.0
+        enc = codec.encode(name, grad, prescale=prescale)
+        alpha = 1.0 / world if (average and prescale == 1.0) else 1.0
+        if info.linear:
+            handle = hvd.allreduce_async_(enc.payload, name=name, op=hvd.Sum,
+                                          process_set=self.process_set)
+        else:
+            handle = hvd.allgather_async(enc.payload, name=name, process_set=self.process_set)
+        self._hvdc_stats.record(name, info.name, grad.numel() * grad.element_size(),
+                                enc.payload.numel() * enc.payload.element_size())
+
+        def finish():
+            reduced = hvd.synchronize(handle)
+            if info.linear:
+                return codec.decode(reduced, enc, alpha, out=grad)
+            return codec.aggregate(reduced, enc, alpha, out=grad)
+
+        return finish, None
+
+    def synchronize(self):
+        _DistributedOptimizer.synchronize(self)
+        self._hvdc_stats.end_step()
+
+    def compression_state_dict(self) -> dict:
+        """Error-feedback residuals, momentum buffers and step counters as numpy arrays, keyed
+        by parameter name (the format both frontends share)."""
+        return self._hvdc_store.state_dict()
+
+    def load_compression_state_dict(self, state: dict, strict_spec: bool = True) -> None:
+        self._hvdc_store.load_state_dict(state, strict_spec=strict_spec)
+
+    @property
+    def compression_stats(self) -> CompressionStats:
+        return self._hvdc_stats
+
+    @property
+    def compression_config(self) -> CompressionConfig:
+        return self._hvdc_config
+
+
+def _check_ranks_agree(config: CompressionConfig, min_bytes: int, process_set) -> None:
+    mine = f"{config.canonical()};min_compress_bytes={min_bytes}"
+    theirs = hvd.allgather_object(mine, name="hvd_compress.spec_check", process_set=process_set)
+    if len(set(theirs)) > 1:
+        detail = "; ".join(f"rank {r}: {s}" for r, s in enumerate(theirs))
+        raise ValueError(f"ranks disagree on the compression spec ({detail}); every rank must "
+                         f"pass the same compression and min_compress_bytes")
+
+
+def DistributedOptimizer(optimizer, named_parameters=None, compression="none",
+                         backward_passes_per_step=1, op=hvd.Average,
+                         gradient_predivide_factor=1.0, num_groups=0, groups=None,
+                         sparse_as_dense=False, process_set=hvd.global_process_set,
+                         min_compress_bytes=DEFAULT_MIN_COMPRESS_BYTES):
+    """Wrap `optimizer` like `horovod.torch.DistributedOptimizer`, compressing gradients.
+
+    compression: a spec string ("topk,k=0.01,ef=vanilla"), a dict with BytePS keys, a
+        `Compression.<codec>(...)` object, or Horovod's `hvd.Compression.none/fp16`.
+    min_compress_bytes: gradients smaller than this are allreduced uncompressed (default 64 KiB).
+    gradient_predivide_factor applies to the uncompressed gradients only; compressed ones are
+    scaled by their codec (fp16 divides by the world size before the sum).
+    Explicit allreduce groups are not supported: compressed payloads are issued per parameter.
+    """
+    config = _to_config(compression)
+    if op not in (hvd.Average, hvd.Sum):
+        raise ValueError(f"op={op} is not supported with compression; valid: hvd.Average, hvd.Sum")
+    if gradient_predivide_factor != 1.0 and op != hvd.Average:
+        raise ValueError("gradient_predivide_factor is only valid with op=hvd.Average")
+    if num_groups or groups is not None:
+        raise ValueError("groups/num_groups are not supported by hvd_compress: each compressed "
+                         "gradient is its own collective; leave them unset")
+    if backward_passes_per_step <= 0:
+        raise ValueError(f"backward_passes_per_step must be > 0, got {backward_passes_per_step}")
+    if not isinstance(min_compress_bytes, int) or min_compress_bytes < 0:
+        raise ValueError(f"min_compress_bytes must be an integer >= 0, got {min_compress_bytes!r}")
+    if config.momentum == "nesterov":
+        for group in optimizer.param_groups:
+            if group.get("momentum", 0):
+                warnings.warn(f"momentum=nesterov in the compression spec replaces the "
+                              f"optimizer's own momentum ({group['momentum']}); setting it to 0")
+                group["momentum"] = 0
+    if process_set.included() and process_set.size() > 1:
+        _check_ranks_agree(config, min_compress_bytes, process_set)
+
+    namespace = dict(_DistributedOptimizer.__dict__)
+    for key, value in _CompressedReduction.__dict__.items():
+        if not key.startswith("__") or key == "__init__":
+            namespace[key] = value
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), namespace)
+    return cls(optimizer.param_groups, named_parameters, config, min_compress_bytes,
+               backward_passes_per_step, op, gradient_predivide_factor, sparse_as_dense,
+               process_set)
