@@ -146,6 +146,7 @@ void encode(DType d, const void* x, int64_t n, const Params& p, void* payload) {
   Layout L = layout(payload, k);
   L.head[0] = payload_tag(kTopK, d);
   L.head[1] = static_cast<uint32_t>(k);
+  if (k % 2) L.idx[k] = 0;  // padding to 8 bytes: payloads are deterministic bytes
   if (k == 0) return;
   dispatch_dtype(d, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;

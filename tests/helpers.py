@@ -1,0 +1,49 @@
+"""Shared test helpers: torch <-> numpy (bfloat16 as uint16 bits) and kernel calls."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from hvd_compress.torch import _C
+
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+                "float64": torch.float64}
+
+
+def t2n(t: torch.Tensor) -> np.ndarray:
+    t = t.detach().contiguous()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(np.uint16).copy()
+    return t.numpy().copy()
+
+
+def n2t(a: np.ndarray, dtype: str) -> torch.Tensor:
+    if dtype == "bfloat16":
+        return torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16)
+    return torch.from_numpy(a.copy())
+
+
+def random_grad(n: int, dtype: str, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    # Mixed magnitudes, exact zeros and negative zeros, so sign and selection edge cases occur.
+    x = torch.randn(n, generator=g, dtype=torch.float64) * torch.exp(
+        torch.randn(n, generator=g, dtype=torch.float64) * 2)
+    if n > 4:
+        x[::7] = 0.0
+        x[3::11] = -0.0
+    return x.to(TORCH_DTYPES[dtype])
+
+
+def params(k: int = 0, seed: int = 0, scaling: bool = True, prescale: float = 1.0,
+           rescale: bool = False) -> _C.Params:
+    p = _C.Params()
+    p.k, p.seed, p.scaling, p.prescale, p.rescale = k, seed, scaling, prescale, rescale
+    return p
+
+
+def payload_bytes(payload: torch.Tensor) -> bytes:
+    return payload.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()

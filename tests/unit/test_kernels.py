@@ -1,0 +1,283 @@
+"""Every codec kernel against the numpy reference, bit for bit: payload bytes, decode,
+aggregate, error feedback and momentum, over lengths that straddle the packing words and the
+SIMD widths, and over every supported gradient dtype. Run twice by `make test`: once on the
+AVX2 paths and once with HVDC_FORCE_SCALAR=1."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import numpy_ref as ref
+from helpers import n2t, params, payload_bytes, random_grad, same_bits, t2n
+from hvd_compress.torch import _C
+
+DTYPES = ["float32", "float16", "bfloat16", "float64"]
+LENGTHS = [0, 1, 7, 8, 31, 63, 64, 65, 127, 1000, 4097, 20011]
+ID = ref.CODEC_ID
+
+
+def k_for(codec, n):
+    return ref.kept(0.05, n) if codec in ("topk", "randomk") else 0
+
+
+def encode(codec, x, p):
+    payload = _C.new_payload(ID[codec], x, p)
+    _C.encode(ID[codec], x, p, payload)
+    return payload
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", LENGTHS)
+@pytest.mark.parametrize("codec", ["none", "fp16", "bf16", "onebit", "signsgd", "efsignsgd",
+                                   "topk", "randomk"])
+def test_encode_decode_match_reference(codec, n, dtype):
+    x = random_grad(n, dtype, seed=n)
+    k = k_for(codec, n)
+    p = params(k=k, seed=12345 + n)
+    payload = encode(codec, x, p)
+    want = ref.encode(codec, t2n(x), dtype, k=k, seed=12345 + n)
+    assert payload_bytes(payload) == want
+
+    for alpha in (1.0, 0.5, -1.0):
+        out = torch.empty_like(x)
+        _C.decode(ID[codec], payload, out, p, alpha, False)
+        assert same_bits(t2n(out), ref.decode(codec, want, n, dtype, alpha, k=k, seed=12345 + n))
+
+    base = random_grad(n, dtype, seed=n + 1)
+    out = base.clone()
+    _C.decode(ID[codec], payload, out, p, 0.25, True)
+    expect = ref.decode(codec, want, n, dtype, 0.25, out=t2n(base), k=k, seed=12345 + n)
+    assert same_bits(t2n(out), expect)
+
+
+@pytest.mark.parametrize("scaling", [True, False])
+@pytest.mark.parametrize("codec", ["onebit", "signsgd"])
+def test_sign_scaling_flag(codec, scaling):
+    x = random_grad(1000, "float32")
+    p = params(scaling=scaling)
+    payload = encode(codec, x, p)
+    assert payload_bytes(payload) == ref.encode(codec, t2n(x), "float32", scaling=scaling)
+    scale = np.frombuffer(payload_bytes(payload)[4:8], np.float32)[0]
+    assert (scale == 1.0) != scaling
+
+
+def test_sign_zero_and_nan_count_as_positive():
+    x = torch.tensor([0.0, -0.0, float("nan"), -1.0, 2.0])
+    bits = payload_bytes(encode("onebit", x, params(scaling=False)))[8]
+    assert bits == 0b01000  # only -1.0 is negative
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("ranks", [1, 2, 3, 5])
+@pytest.mark.parametrize("codec", ["bf16", "fp16", "onebit", "signsgd", "efsignsgd", "topk"])
+def test_aggregate_matches_reference(codec, ranks, dtype):
+    n = 3001
+    k = k_for(codec, n)
+    p = params(k=k)
+    xs = [random_grad(n, dtype, seed=100 + r) for r in range(ranks)]
+    payloads = [encode(codec, x, p) for x in xs]
+    gathered = torch.stack([pl.view(torch.uint8).reshape(-1) for pl in payloads])
+    for alpha in (1.0 / ranks, 1.0):
+        out = torch.empty(n, dtype=xs[0].dtype)
+        _C.aggregate(ID[codec], gathered, out, p, alpha)
+        want = ref.aggregate(codec, [payload_bytes(pl) for pl in payloads], n, dtype, alpha, k=k)
+        assert same_bits(t2n(out), want)
+
+
+def test_signsgd_is_a_majority_vote():
+    xs = [torch.tensor([1.0, -1.0, 1.0, -1.0]), torch.tensor([1.0, -1.0, -1.0, 1.0]),
+          torch.tensor([-1.0, -1.0, 1.0, 1.0])]
+    p = params(scaling=False)
+    gathered = torch.stack([encode("signsgd", x, p).view(torch.uint8).reshape(-1) for x in xs])
+    out = torch.empty(4)
+    _C.aggregate(ID["signsgd"], gathered, out, p, 1.0 / 3)
+    assert out.tolist() == [1.0, -1.0, 1.0, 1.0]
+    out2 = torch.empty(4)
+    _C.aggregate(ID["signsgd"], gathered[:2], out2, p, 0.5)
+    assert out2.tolist() == [1.0, -1.0, 0.0, 0.0]  # ties give 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("codec", ["none", "fp16", "bf16", "onebit", "signsgd", "efsignsgd",
+                                   "topk", "randomk"])
+def test_error_feedback_matches_reference(codec, dtype):
+    n = 2050
+    k = k_for(codec, n)
+    prescale = 0.5 if codec == "fp16" else 1.0
+    p = params(k=k, seed=9, prescale=prescale)
+    e = random_grad(n, dtype, seed=1) * 0.1
+    e_ref = t2n(e)
+    for step in range(3):
+        x = random_grad(n, dtype, seed=10 + step)
+        payload = _C.new_payload(ID[codec], x, p)
+        _C.ef_encode(ID[codec], x, e, p, payload)
+        want, e_ref = ref.ef_encode(codec, t2n(x), e_ref, dtype, prescale=prescale, k=k, seed=9)
+        assert payload_bytes(payload) == want
+        assert same_bits(t2n(e), e_ref)
+
+
+@pytest.mark.parametrize("codec", ["none", "fp16", "bf16", "onebit", "signsgd", "efsignsgd",
+                                   "topk", "randomk"])
+def test_error_feedback_invariant_float64(codec):
+    """g + e_old == D(C(g + e_old)) + e_new, the defining property of error feedback."""
+    n = 5003
+    k = k_for(codec, n)
+    p = params(k=k, seed=3)
+    e = torch.zeros(n, dtype=torch.float64)
+    for step in range(4):
+        g = random_grad(n, "float64", seed=step)
+        before = (g + e).clone()
+        payload = _C.new_payload(ID[codec], g, p)
+        _C.ef_encode(ID[codec], g, e, p, payload)
+        decoded = torch.empty_like(g)
+        _C.decode(ID[codec], payload, decoded, p, 1.0, False)
+        np.testing.assert_allclose((decoded + e).numpy(), before.numpy(), rtol=1e-12, atol=1e-12)
+
+
+def test_efsignsgd_equals_onebit_with_error_feedback():
+    x = random_grad(10000, "float32")
+    e1, e2 = torch.zeros(10000), torch.zeros(10000)
+    p = params()
+    for step in range(3):
+        pa = _C.new_payload(ID["efsignsgd"], x, p)
+        pb = _C.new_payload(ID["onebit"], x, p)
+        _C.ef_encode(ID["efsignsgd"], x, e1, p, pa)
+        _C.ef_encode(ID["onebit"], x, e2, p, pb)
+        assert payload_bytes(pa)[4:] == payload_bytes(pb)[4:]  # all but the codec tag
+        assert torch.equal(e1, e2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_nesterov_matches_reference(dtype):
+    n = 777
+    x = random_grad(n, dtype, seed=1)
+    m = random_grad(n, dtype, seed=2)
+    want_x, want_m = ref.nesterov(t2n(x), t2n(m), 0.9, dtype)
+    _C.nesterov(x, m, 0.9)
+    assert same_bits(t2n(x), want_x) and same_bits(t2n(m), want_m)
+
+
+@pytest.mark.parametrize("n,k", [(200003, 2000), (100000, 1), (50000, 3000), (30, 30), (1, 1)])
+def test_topk_selection_large(n, k):
+    """Large tensors take the sampled-threshold path; the result must still be the exact top k."""
+    x = random_grad(n, "float32", seed=n)
+    payload = encode("topk", x, params(k=k))
+    assert payload_bytes(payload) == ref.encode("topk", t2n(x), "float32", k=k)
+
+
+def test_topk_ties_take_lowest_indices():
+    x = torch.ones(100000)
+    x[5] = 3.0
+    payload = payload_bytes(encode("topk", x, params(k=4)))
+    idx = np.frombuffer(payload[8:24], "<i4")
+    assert idx.tolist() == [0, 1, 2, 5]
+
+
+def test_topk_adversarial_order():
+    """Sorted input defeats a naive strided sample; the retry path must still be exact."""
+    x = torch.linspace(-1, 1, 300001)
+    for k in (1, 1000, 10000):
+        assert payload_bytes(encode("topk", x, params(k=k))) == ref.encode(
+            "topk", t2n(x), "float32", k=k)
+
+
+def test_fp16_prescale_and_overflow():
+    x = torch.tensor([70000.0, -70000.0, 65504.0, 1e-8, float("inf"), float("nan")])
+    payload = encode("fp16", x, params(prescale=0.5))
+    assert payload_bytes(payload) == ref.encode("fp16", t2n(x), "float32", prescale=0.5)
+    h = payload.numpy()
+    assert h[0] == 35008 and h[1] == -35008  # fp16 spacing is 32 there and np.isinf(h[4]) and np.isnan(h[5])
+
+
+def test_bf16_rounding_is_nearest_even():
+    bits = np.array([0x3F808000, 0x3F818000, 0x3F808001, 0x7F7FFFFF, 0x7FC00001], np.uint32)
+    x = torch.from_numpy(bits.view(np.float32).copy())
+    got = np.frombuffer(payload_bytes(encode("bf16", x, params())), np.uint16)
+    assert got.tolist() == [0x3F80, 0x3F82, 0x3F81, 0x7F80, 0x7FC0]
+
+
+def test_randomk_indices_are_stratified_and_distinct():
+    n, k = 10007, 100
+    idx, size = ref.randomk_strata(n, k, seed=77)
+    assert len(set(idx.tolist())) == k and np.all(np.diff(idx) > 0)
+    lo = np.array([(j * n) // k for j in range(k)])
+    assert np.all(idx >= lo) and np.all(idx < lo + size)
+    x = torch.arange(n, dtype=torch.float64)
+    payload = encode("randomk", x, params(k=k, seed=77))
+    assert payload.numpy().astype(np.int64).tolist() == idx.tolist()
+
+
+def test_randomk_unbiased_with_rescale():
+    """Mean of rescaled decodes over many seeds approaches x (statistical bound, not exact)."""
+    n, k, trials = 1000, 100, 4000
+    x = random_grad(n, "float64", seed=5)
+    total = torch.zeros(n, dtype=torch.float64)
+    for s in range(trials):
+        p = params(k=k, seed=s * 7919 + 1, rescale=True)
+        out = torch.empty_like(x)
+        _C.decode(ID["randomk"], encode("randomk", x, p), out, p, 1.0, False)
+        total += out
+    mean = total / trials
+    # Each element is kept with probability 1/10 and scaled by 10: per-trial variance 9 x^2.
+    bound = 5 * torch.sqrt(9 * x * x / trials) + 1e-12
+    assert torch.all((mean - x).abs() <= bound)
+
+
+def test_randomk_indices_uniform_within_stratum():
+    n, k, trials = 1000, 10, 5000
+    counts = np.zeros(n)
+    for s in range(trials):
+        idx, _ = ref.randomk_strata(n, k, seed=s)
+        counts[idx] += 1
+    # 100 positions per stratum, expected 50 hits each; chi-square with 999 dof.
+    chi2 = ((counts - trials / 100) ** 2 / (trials / 100)).sum()
+    assert chi2 < 999 + 6 * np.sqrt(2 * 999)
+    # and the kernel draws exactly those indices
+    x = torch.arange(n, dtype=torch.float64)
+    got = encode("randomk", x, params(k=k, seed=4242)).numpy().astype(int)
+    assert got.tolist() == ref.randomk_strata(n, k, seed=4242)[0].tolist()
+
+
+@pytest.mark.parametrize("codec", ["fp16", "onebit", "topk", "randomk"])
+def test_non_contiguous_input(codec):
+    base = random_grad(4000, "float32").view(40, 100)
+    x = base[:, ::2]
+    assert not x.is_contiguous()
+    k = k_for(codec, x.numel())
+    p = params(k=k, seed=1)
+    assert payload_bytes(encode(codec, x, p)) == payload_bytes(encode(codec, x.contiguous(), p))
+
+
+def test_scalar_and_simd_paths_agree(tmp_path):
+    """The AVX2 and scalar paths give the same bytes (checked in a subprocess, since the path is
+    chosen once per process)."""
+    import subprocess
+    import sys
+    script = tmp_path / "dump.py"
+    script.write_text(
+        "import sys, torch\n"
+        f"sys.path.insert(0, {str(__import__('os').path.dirname(__file__) + '/..')!r})\n"
+        "from helpers import params, random_grad, payload_bytes\n"
+        "from hvd_compress.torch import _C\n"
+        "out = []\n"
+        "for c in (1, 2, 3, 4, 5, 6, 7):\n"
+        "    for n in (1, 65, 4099, 70001):\n"
+        "        x = random_grad(n, 'float32', seed=n)\n"
+        "        p = params(k=max(1, n // 50), seed=3)\n"
+        "        pl = _C.new_payload(c, x, p); _C.encode(c, x, p, pl)\n"
+        "        e = random_grad(n, 'float32', seed=1); pe = _C.new_payload(c, x, p)\n"
+        "        _C.ef_encode(c, x, e, p, pe)\n"
+        "        d = torch.empty(n); _C.decode(c, pl, d, p, 0.5, False)\n"
+        "        out.append(payload_bytes(pl) + payload_bytes(pe) + e.numpy().tobytes() + d.numpy().tobytes())\n"
+        "sys.stdout.buffer.write(b''.join(out))\n")
+    runs = {}
+    for mode in ("0", "1"):
+        env = dict(__import__("os").environ, HVDC_FORCE_SCALAR=mode)
+        runs[mode] = subprocess.run([sys.executable, str(script)], env=env, check=True,
+                                    capture_output=True).stdout
+    assert runs["0"] == runs["1"] and len(runs["0"]) > 0
+
+
+def test_isa_reported():
+    assert _C.cpu_isa() in ("avx2+f16c", "scalar")

@@ -1,0 +1,107 @@
+"""Spec parsing, the registry, and the core's independence from any framework."""
+import subprocess
+import sys
+
+import pytest
+
+import hvd_compress as hc
+
+
+def test_string_and_dict_parse_to_the_same_config():
+    a = hc.parse_spec("topk,k=0.01,ef=vanilla,momentum=nesterov,mu=0.9")
+    b = hc.parse_spec({"compressor": "topk", "k": 0.01, "ef": "vanilla", "momentum": "nesterov",
+                       "mu": 0.9})
+    assert a == b and hash(a) == hash(b)
+    assert a.codec == "topk" and a.param_dict == {"k": 0.01}
+    assert a.ef == "vanilla" and a.momentum == "nesterov" and a.mu == 0.9
+
+
+def test_byteps_keys():
+    cfg = hc.parse_spec({"compressor": "onebit", "scaling": "false", "ef": "vanilla", "seed": 3})
+    assert cfg.param_dict == {"scaling": False} and cfg.seed == 3
+    cfg = hc.parse_spec({"codec": "randomk", "k": 100})
+    assert cfg.param_dict["k"] == 100
+
+
+def test_k_is_a_fraction_below_one_and_a_count_from_one():
+    info = hc.get_codec("topk")
+    assert info.kept({"k": 0.01}, 1000) == 10
+    assert info.kept({"k": 0.0001}, 1000) == 1
+    assert info.kept({"k": 50}, 1000) == 50
+    assert info.kept({"k": 5000}, 1000) == 1000
+    assert info.kept({"k": 0.5}, 0) == 0
+
+
+def test_defaults_filled_and_canonical_round_trip():
+    cfg = hc.parse_spec("onebit")
+    assert cfg.param_dict == {"scaling": True}
+    assert hc.parse_spec(cfg.canonical()) == cfg
+    assert hc.parse_spec(None).codec == "none"
+    assert hc.parse_spec("efsignsgd").ef == "vanilla"
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("gzip", "unknown codec 'gzip'; valid codecs: none, fp16, bf16, onebit"),
+    ("topk,ratio=0.1", "codec 'topk' has no parameter 'ratio'; valid: k ("),
+    ("topk,k=-1", "topk: k must be a fraction in (0, 1) or an integer count >= 1, got -1.0"),
+    ("topk,k=2.5", "topk: k must be a fraction in (0, 1) or an integer count >= 1, got 2.5"),
+    ("topk,k=abc", "topk: k must be a number, got 'abc'"),
+    ("topk,k", "spec item 'k' has no value"),
+    ("topk,k=", "needs both a name and a value"),
+    ("topk,k=0.1,k=0.2", "given twice"),
+    ("", "empty compression spec"),
+    ("onebit,scaling=maybe", "onebit: scaling must be true or false, got 'maybe'"),
+    ("onebit,ef=fancy", "ef='fancy' is not valid; valid: none, vanilla"),
+    ("onebit,momentum=adam", "momentum='adam' is not valid; valid: none, nesterov"),
+    ("onebit,mu=0.5", "mu is the momentum factor of momentum=nesterov"),
+    ("onebit,momentum=nesterov,mu=1.5", "mu must be in [0, 1), got 1.5"),
+    ("efsignsgd,ef=none", "efsignsgd has error feedback built in"),
+    ("randomk,seed=-4", "seed must be in [0, 2^63)"),
+    ({"k": 0.1}, "names no codec"),
+    ({"compressor": "topk", "codec": "topk"}, "not both"),
+    (42, "must be a string, a dict or a CompressionConfig, got int"),
+])
+def test_bad_specs_name_the_problem(spec, message):
+    with pytest.raises(ValueError) as err:
+        hc.parse_spec(spec)
+    assert message in str(err.value)
+
+
+def test_registry_describes_every_codec():
+    names = [c.name for c in hc.codecs()]
+    assert names == ["none", "fp16", "bf16", "onebit", "signsgd", "efsignsgd", "topk", "randomk"]
+    for c in hc.codecs():
+        assert c.collective in ("allreduce", "allgather")
+        assert c.aggregation in ("mean", "majority")
+        assert c.wire and c.doc
+    assert [c.name for c in hc.codecs() if c.linear] == ["none", "fp16", "randomk"]
+    assert hc.get_codec("bf16").collective_note  # says why bf16 is gathered
+
+
+def test_fingerprint_differs_between_specs():
+    assert hc.parse_spec("topk,k=0.01").fingerprint() != hc.parse_spec("topk,k=0.02").fingerprint()
+
+
+def test_core_imports_without_frameworks():
+    code = ("import sys\n"
+            "class Block:\n"
+            "    def find_spec(self, name, *a):\n"
+            "        if name.split('.')[0] in ('torch', 'tensorflow', 'horovod'):\n"
+            "            raise ImportError('blocked ' + name)\n"
+            "sys.meta_path.insert(0, Block())\n"
+            "import hvd_compress\n"
+            "print(hvd_compress.parse_spec('topk,k=0.1').canonical())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "topk,k=0.1,ef=none,momentum=none,seed=0"
+
+
+def test_derive_seed_is_stable_and_does_not_touch_global_rng():
+    import random
+    import numpy as np
+    state = (random.getstate(), np.random.get_state()[1].copy())
+    a = hc.derive_seed(0, "layer1.weight", 5)
+    assert a == hc.derive_seed(0, "layer1.weight", 5)
+    assert len({a, hc.derive_seed(0, "layer1.weight", 6), hc.derive_seed(0, "layer1.bias", 5),
+                hc.derive_seed(1, "layer1.weight", 5)}) == 4
+    assert 0 <= a < 2**64
+    assert random.getstate() == state[0] and (np.random.get_state()[1] == state[1]).all()

@@ -1,0 +1,129 @@
+"""The state store, the single-process codec pipeline and the Horovod-protocol compressors."""
+import numpy as np
+import pytest
+import torch
+
+import numpy_ref as ref
+from helpers import random_grad, same_bits, t2n
+import hvd_compress as hc
+from hvd_compress.torch import Compression
+from hvd_compress.torch.codec import TorchAdapter, TorchCodec
+
+
+def store(spec=""):
+    return hc.StateStore(TorchAdapter(), spec=spec)
+
+
+def test_slots_are_keyed_by_name_and_persist():
+    s = store()
+    g = torch.ones(3, 4)
+    e = s.slot("w", "ef", g)
+    e += 1
+    assert s.slot("w", "ef", torch.zeros(3, 4)) is e  # a new grad tensor, same name, same state
+    assert torch.equal(s.slot("b", "ef", g), torch.zeros(3, 4))
+
+
+def test_shape_change_is_an_error_not_a_silent_reset():
+    s = store()
+    s.slot("w", "ef", torch.ones(3))
+    with pytest.raises(ValueError, match=r"parameter 'w': ef state is float32\[3\] but its "
+                                         r"gradient is now float32\[4\]"):
+        s.slot("w", "ef", torch.ones(4))
+
+
+def test_state_dict_round_trip_with_numpy_arrays_all_dtypes():
+    s = store("topk")
+    for dt in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+        s.slot(f"p_{dt}", "ef", torch.ones(5, dtype=dt)).copy_(torch.arange(5, dtype=dt) / 3)
+    s.next_step("p_x")
+    sd = s.state_dict()
+    assert all(isinstance(a, np.ndarray) for kinds in sd["slots"].values() for a in kinds.values())
+    s2 = store("topk")
+    s2.load_state_dict(sd)
+    for dt in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+        got = s2.slot(f"p_{dt}", "ef", torch.zeros(5, dtype=dt))
+        assert got.dtype == dt and torch.equal(got, torch.arange(5, dtype=dt) / 3)
+    assert s2.next_step("p_x") == 1
+
+
+def test_bad_checkpoints_are_refused_and_change_nothing():
+    s = store("topk")
+    live = s.slot("w", "ef", torch.ones(3))
+    live.fill_(2.0)
+    with pytest.raises(ValueError, match="not an hvd_compress state dict"):
+        s.load_state_dict({"slots": {}})
+    good = s.state_dict()
+    bad = {**good, "slots": {"w": {"ef": np.zeros(4, np.float32)}}}
+    with pytest.raises(ValueError, match=r"checkpointed ef state has shape \[4\], the live one \[3\]"):
+        s.load_state_dict(bad)
+    assert s.slot("w", "ef", torch.ones(3)) is live and torch.equal(live, torch.full((3,), 2.0))
+    other = store("onebit")
+    with pytest.raises(ValueError, match="saved with spec 'topk'"):
+        other.load_state_dict(good)
+    other.load_state_dict(good, strict_spec=False)
+
+
+def test_pipeline_momentum_then_error_feedback_matches_reference():
+    cfg = hc.parse_spec("topk,k=0.1,ef=vanilla,momentum=nesterov,mu=0.8")
+    codec = TorchCodec(cfg, store())
+    m_ref = np.zeros(300, np.float32)
+    e_ref = np.zeros(300, np.float32)
+    for step in range(4):
+        g = random_grad(300, "float32", seed=step)
+        x_ref, m_ref = ref.nesterov(t2n(g), m_ref, 0.8, "float32")
+        want, e_ref = ref.ef_encode("topk", x_ref, e_ref, "float32", k=30)
+        enc = codec.encode("w", g)
+        assert enc.payload.numpy().tobytes() == want
+    assert same_bits(t2n(codec.store.slot("w", "ef", g)), e_ref)
+    assert same_bits(t2n(codec.store.slot("w", "momentum", g)), m_ref)
+
+
+def test_randomk_seed_follows_name_and_step():
+    cfg = hc.parse_spec("randomk,k=0.1,seed=5")
+    s = store()
+    codec = TorchCodec(cfg, s)
+    x = torch.arange(1000, dtype=torch.float32)
+    picks = [codec.encode("w", x).payload.clone() for _ in range(2)] + [codec.encode("v", x).payload]
+    for i, (name, step) in enumerate([("w", 0), ("w", 1), ("v", 0)]):
+        idx, _ = ref.randomk_strata(1000, 100, hc.derive_seed(5, name, step))
+        assert picks[i].numpy().astype(int).tolist() == idx.tolist()
+
+
+def test_compressor_protocol_for_linear_codecs():
+    x = random_grad(1000, "float32")
+    payload, ctx = Compression.fp16.compress(x)
+    assert payload.dtype == torch.float16
+    assert torch.equal(Compression.fp16.decompress(payload, ctx), x.half().float())
+    payload, ctx = Compression.randomk(k=0.1).compress(x)
+    assert payload.numel() == 100
+    out = Compression.randomk(k=0.1).decompress(payload, ctx)
+    assert (out != 0).sum() <= 100 and torch.equal(out[out != 0], x[out != 0])
+    t, ctx = Compression.none.compress(x)
+    assert t is x and Compression.none.decompress(t, ctx) is x
+
+
+@pytest.mark.parametrize("codec", ["onebit", "signsgd", "efsignsgd", "topk", "bf16"])
+def test_compressor_protocol_refuses_allgather_codecs(codec):
+    with pytest.raises(RuntimeError, match=f"{codec} payloads travel by allgather.*"
+                                           "hvd_compress.torch.DistributedOptimizer"):
+        getattr(Compression, codec).compress(torch.ones(10))
+
+
+def test_compressor_protocol_refuses_stateful_decorators():
+    with pytest.raises(RuntimeError, match="error feedback and momentum keep state per parameter"):
+        Compression.fp16(ef="vanilla").compress(torch.ones(10))
+
+
+def test_compression_namespace():
+    assert Compression.topk(k=0.5).config == hc.parse_spec("topk,k=0.5")
+    assert Compression.from_spec({"compressor": "onebit"}) == Compression.onebit
+    with pytest.raises(AttributeError, match="no codec 'zip'; valid codecs: none, fp16"):
+        Compression.zip
+    with pytest.raises(ValueError, match="has no parameter 'k'"):
+        Compression.onebit(k=3)
+
+
+def test_unsupported_dtype_and_device_errors():
+    codec = TorchCodec(hc.parse_spec("onebit"), store())
+    with pytest.raises(ValueError, match="gradient has dtype torch.int32; compression supports"):
+        codec.encode("w", torch.ones(3, dtype=torch.int32))
