@@ -53,7 +53,15 @@ class CompressionConfig:
         return zlib.crc32(self.canonical().encode()) & 0x7FFFFFFF
 
     def __str__(self) -> str:
-        return self.canonical()
+        """Short form for logs and tables: the codec's parameters, decorators only when set."""
+        items = [self.codec] + [f"{k}={_fmt(v)}" for k, v in self.params]
+        if self.ef != "none" and not self.info.builtin_ef:
+            items.append(f"ef={self.ef}")
+        if self.momentum != "none":
+            items += [f"momentum={self.momentum}", f"mu={_fmt(self.mu)}"]
+        if self.seed:
+            items.append(f"seed={self.seed}")
+        return ",".join(items)
 
 
 def _fmt(v: Any) -> str:

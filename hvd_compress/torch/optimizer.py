@@ -118,8 +118,12 @@ class _CompressedReduction:
 
 
 def _check_ranks_agree(config: CompressionConfig, min_bytes: int, process_set) -> None:
-    mine = f"{config.canonical()};min_compress_bytes={min_bytes}"
-    theirs = hvd.allgather_object(mine, name="hvd_compress.spec_check", process_set=process_set)
+    mine = f"{config.canonical()};min_compress_bytes={min_bytes}".encode()
+    sizes = hvd.allgather(torch.tensor([len(mine)]), name="hvd_compress.spec_check.sizes",
+                          process_set=process_set)
+    blob = hvd.allgather(torch.frombuffer(bytearray(mine), dtype=torch.uint8),
+                         name="hvd_compress.spec_check", process_set=process_set)
+    theirs = [bytes(b.tolist()).decode() for b in torch.split(blob, sizes.tolist())]
     if len(set(theirs)) > 1:
         detail = "; ".join(f"rank {r}: {s}" for r, s in enumerate(theirs))
         raise ValueError(f"ranks disagree on the compression spec ({detail}); every rank must "

@@ -1,0 +1,44 @@
+# hvd_compress: `make demo` and `make test` work on a fresh Debian machine (as root): both run
+# `setup` first when the environment is missing or stale.
+VENV      := .venv
+PY        := $(VENV)/bin/python
+STAMP     := $(VENV)/.hvdc-ready
+SOURCES   := setup.py ci/setup.sh ci/requirements.txt $(shell find csrc -type f 2>/dev/null)
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
+export OMPI_MCA_rmaps_base_oversubscribe := 1
+
+MPIRUN    := mpirun --allow-run-as-root --oversubscribe -np 2 -x PATH
+HVDRUN    := horovodrun --gloo -np 2 -H localhost:2
+PYTEST    := -m pytest -q -p no:cacheprovider --color=no --timeout=300
+# No hang may outlive this: a stuck collective fails the run instead of stalling CI.
+LIMIT     := timeout -k 20 1200
+
+.PHONY: setup test test-unit test-parallel demo bench clean
+
+setup:
+	bash ci/setup.sh
+	@touch $(STAMP)
+
+$(STAMP): $(SOURCES)
+	bash ci/setup.sh
+	@touch $(STAMP)
+
+test: $(STAMP) test-parallel test-unit
+
+test-parallel: $(STAMP)
+	$(LIMIT) $(HVDRUN) $(PY) $(PYTEST) tests/parallel
+	$(LIMIT) $(MPIRUN) $(PY) $(PYTEST) tests/parallel
+
+# Kernels run twice: on the AVX2 paths and on the portable scalar paths.
+test-unit: $(STAMP)
+	HVDC_FORCE_SCALAR=1 $(LIMIT) $(PY) $(PYTEST) tests/unit/test_kernels.py
+	$(LIMIT) $(PY) $(PYTEST) tests/unit
+
+demo: $(STAMP)
+	$(PY) examples/demo.py
+
+bench: $(STAMP)
+	$(PY) bench/codecs.py
+
+clean:
+	rm -rf build *.egg-info hvd_compress/torch/_C*.so

@@ -1,0 +1,334 @@
+"""Two-rank tests, run by `make test` under both `mpirun -np 2` and `horovodrun --gloo -np 2`.
+
+Each rank can compute every rank's gradient (they come from seeds), so the expected aggregate
+is a numpy simulation of the codec over both ranks, checked bit for bit against what the real
+collective delivered.
+"""
+from __future__ import annotations
+
+import copy
+
+import horovod.torch as hvd
+import numpy as np
+import pytest
+import torch
+
+import numpy_ref as ref
+from helpers import TORCH_DTYPES, n2t, random_grad, same_bits, t2n
+import hvd_compress as hc
+import hvd_compress.torch as hvdc
+from hvd_compress.torch import Compression
+
+hvd.init()
+WORLD = hvd.size()
+RANK = hvd.rank()
+pytestmark = pytest.mark.skipif(WORLD != 2, reason="run under mpirun/horovodrun with 2 ranks")
+
+CODECS = ["none", "fp16", "bf16", "onebit", "signsgd", "efsignsgd", "topk", "randomk"]
+
+
+def single_param_optimizer(spec, n, dtype=torch.float32, **kw):
+    p = torch.nn.Parameter(torch.zeros(n, dtype=dtype))
+    opt = hvdc.DistributedOptimizer(torch.optim.SGD([p], lr=0.0), named_parameters=[("w", p)],
+                                    compression=spec, min_compress_bytes=0, **kw)
+    return p, opt
+
+
+def reduce_step(p, opt, g):
+    opt.zero_grad()
+    (p * g).sum().backward()
+    opt.synchronize()
+    out = p.grad.detach().clone()
+    with opt.skip_synchronize():
+        opt.step()
+    return out
+
+
+class Simulation:
+    """Both ranks' codec pipelines in numpy, then the collective the codec uses."""
+
+    def __init__(self, spec, n, dtype):
+        self.cfg = hc.parse_spec(spec)
+        self.n, self.dtype = n, dtype
+        self.k = self.cfg.info.kept(self.cfg.param_dict, n)
+        self.e = [ref.zeros(n, dtype) for _ in range(WORLD)]
+        self.m = [ref.zeros(n, dtype) for _ in range(WORLD)]
+        self.step = 0
+
+    def __call__(self, grads):
+        cfg, dtype, n = self.cfg, self.dtype, self.n
+        seed = hc.derive_seed(cfg.seed, "w", self.step) if cfg.info.uses_seed else 0
+        self.step += 1
+        if cfg.codec == "none":  # Horovod's own Average: sum, then times 1/size
+            acc = rank_sum([ref.to_acc(g, dtype) for g in grads])
+            return ref.from_acc(acc * ref.acc_type(dtype)(1.0 / WORLD), dtype)
+        prescale = 1.0 / WORLD if cfg.info.prescale_average else 1.0
+        scaling = cfg.param_dict.get("scaling", True)
+        payloads = []
+        for r, g in enumerate(grads):
+            x = g
+            if cfg.momentum == "nesterov":
+                x, self.m[r] = ref.nesterov(x, self.m[r], cfg.mu, dtype)
+            if cfg.ef == "vanilla":
+                pl, self.e[r] = ref.ef_encode(cfg.codec, x, self.e[r], dtype, prescale=prescale,
+                                              k=self.k, seed=seed, scaling=scaling)
+            else:
+                pl = ref.encode(cfg.codec, x, dtype, k=self.k, seed=seed, scaling=scaling,
+                                prescale=prescale)
+            payloads.append(pl)
+        if cfg.codec == "fp16":  # half sum of pre-divided halves
+            hs = [np.frombuffer(pl, np.float16).astype(np.float32) for pl in payloads]
+            summed = rank_sum(hs).astype(np.float16).tobytes()
+            return ref.decode("fp16", summed, n, dtype, 1.0)
+        if cfg.codec == "randomk":
+            vals = [ref.to_acc(np.frombuffer(pl, ref._np_dtype(dtype)), dtype) for pl in payloads]
+            summed = ref.from_acc(rank_sum(vals), dtype).tobytes()
+            return ref.decode("randomk", summed, n, dtype, 1.0 / WORLD, k=self.k, seed=seed)
+        return ref.aggregate(cfg.codec, payloads, n, dtype, 1.0 / WORLD, k=self.k)
+
+
+def rank_sum(arrays):
+    """Rank 0 + rank 1 + ..., as the collective adds (Python's sum() starts at +0, which would
+    turn -0.0 into +0.0)."""
+    total = arrays[0]
+    for a in arrays[1:]:
+        total = total + a
+    return total
+
+
+def grads_for_step(n, dtype, step):
+    return [t2n(random_grad(n, dtype, seed=1000 * step + r)) for r in range(WORLD)]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("codec", CODECS)
+def test_aggregate_equals_simulation(codec, dtype):
+    n = 6007
+    p, opt = single_param_optimizer(codec, n, TORCH_DTYPES[dtype])
+    sim = Simulation(codec, n, dtype)
+    for step in range(3):
+        grads = grads_for_step(n, dtype, step)
+        got = reduce_step(p, opt, n2t(grads[RANK], dtype))
+        assert same_bits(t2n(got), sim(grads)), f"step {step}"
+
+
+@pytest.mark.parametrize("spec", ["topk,k=0.02,ef=vanilla", "onebit,ef=vanilla,momentum=nesterov",
+                                  "randomk,k=0.1,ef=vanilla,seed=11", "fp16,ef=vanilla",
+                                  "signsgd,momentum=nesterov,mu=0.5", "bf16,ef=vanilla"])
+def test_error_feedback_and_momentum_equal_simulation(spec):
+    n = 4099
+    p, opt = single_param_optimizer(spec, n)
+    sim = Simulation(spec, n, "float32")
+    for step in range(4):
+        grads = grads_for_step(n, "float32", step)
+        got = reduce_step(p, opt, n2t(grads[RANK], "float32"))
+        assert same_bits(t2n(got), sim(grads)), f"step {step}"
+
+
+def test_float16_gradients():
+    n = 3000
+    for codec in ["onebit", "topk", "fp16"]:
+        p, opt = single_param_optimizer(codec, n, torch.float16)
+        sim = Simulation(codec, n, "float16")
+        grads = grads_for_step(n, "float16", 0)
+        got = reduce_step(p, opt, n2t(grads[RANK], "float16"))
+        assert same_bits(t2n(got), sim(grads)), codec
+
+
+def make_model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
+
+
+def regression_data(rank, steps, batch=32, seed=7):
+    """Batch i is the same whatever `steps` is, so shorter runs replay longer ones."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(32, 1, generator=g)
+    xs, ys = [], []
+    for i in range(steps):
+        gr = torch.Generator().manual_seed(seed * 100003 + rank * 1009 + i)
+        x = torch.randn(batch, 32, generator=gr)
+        xs.append(x)
+        ys.append(torch.tanh(x @ w) + 0.1 * torch.randn(batch, 1, generator=gr))
+    return torch.stack(xs), torch.stack(ys)
+
+
+def train(spec, steps=200, lr=0.05, min_bytes=0):
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    opt = hvdc.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                    compression=spec, min_compress_bytes=min_bytes)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    xs, ys = regression_data(RANK, steps)
+    losses = []
+    for i in range(steps):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(xs[i]), ys[i])
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return model, opt, losses
+
+
+def eval_loss(model):
+    xs, ys = regression_data(rank=99, steps=1, batch=2048)
+    with torch.no_grad():
+        return torch.nn.functional.mse_loss(model(xs[0]), ys[0]).item()
+
+
+def same_on_all_ranks(model):
+    flat = torch.cat([q.detach().reshape(-1) for q in model.parameters()])
+    gathered = hvd.allgather(flat.unsqueeze(0), name="param_check")
+    return torch.equal(gathered[0], gathered[1])
+
+
+_baseline = {}
+
+
+@pytest.mark.parametrize("spec", ["fp16", "bf16", "efsignsgd", "onebit,ef=vanilla",
+                                  "signsgd,ef=vanilla", "topk,k=0.05,ef=vanilla",
+                                  "randomk,k=0.05,ef=vanilla", "topk,k=0.05,ef=vanilla,"
+                                  "momentum=nesterov,mu=0.5"])
+def test_training_reaches_uncompressed_loss(spec):
+    if "none" not in _baseline:
+        model, _, _ = train("none")
+        _baseline["none"] = eval_loss(model)
+    model, opt, losses = train(spec)
+    assert same_on_all_ranks(model), "ranks ended with different parameters"
+    final = eval_loss(model)
+    assert final <= 1.10 * _baseline["none"], (spec, final, _baseline["none"])
+    stats = opt.compression_stats.summary()
+    assert stats["steps"] == 200 and stats["total_sent_bytes"] > 0
+
+
+def test_compression_saves_bytes_and_threshold_routes_small_tensors():
+    _, opt, _ = train("onebit,ef=vanilla", steps=3)
+    s = opt.compression_stats
+    assert s.tensors["0.weight"].sent_bytes < s.tensors["0.weight"].raw_bytes / 20
+    _, opt, _ = train("onebit,ef=vanilla", steps=3, min_bytes=65536)  # all layers are smaller
+    assert all(t.codec == "none" and t.sent_bytes == t.raw_bytes
+               for t in opt.compression_stats.tensors.values())
+
+
+def test_gradient_clipping_with_synchronize_and_skip_synchronize():
+    model = make_model()
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    opt = hvdc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                    named_parameters=model.named_parameters(),
+                                    compression="topk,k=0.1,ef=vanilla", min_compress_bytes=0)
+    xs, ys = regression_data(RANK, 3)
+    for i in range(3):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(xs[i]), ys[i]).backward()
+        opt.synchronize()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+        assert torch.isfinite(norm)
+        with opt.skip_synchronize():
+            opt.step()
+    assert same_on_all_ranks(model)
+
+
+def test_backward_passes_per_step_accumulates_before_compressing():
+    n = 2000
+    p, opt = single_param_optimizer("topk,k=0.05", n, backward_passes_per_step=2)
+    sim = Simulation("topk,k=0.05", n, "float32")
+    a = grads_for_step(n, "float32", 0)
+    b = grads_for_step(n, "float32", 1)
+    opt.zero_grad()
+    (p * n2t(a[RANK], "float32")).sum().backward()
+    (p * n2t(b[RANK], "float32")).sum().backward()
+    opt.synchronize()
+    want = sim([x + y for x, y in zip(a, b)])
+    assert same_bits(t2n(p.grad), want)
+
+
+def test_compression_state_checkpoint_restart_is_bit_exact():
+    spec = "topk,k=0.1,ef=vanilla,momentum=nesterov"
+    full_model, _, _ = train(spec, steps=20)
+    model, opt, _ = train(spec, steps=10)
+    saved = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()),
+             opt.compression_state_dict())
+    model2 = make_model(seed=123)
+    model2.load_state_dict(saved[0])
+    opt2 = hvdc.DistributedOptimizer(torch.optim.SGD(model2.parameters(), lr=0.05),
+                                     named_parameters=model2.named_parameters(),
+                                     compression=spec, min_compress_bytes=0)
+    opt2.load_state_dict(saved[1])
+    opt2.load_compression_state_dict(saved[2])
+    xs, ys = regression_data(RANK, 20)
+    for i in range(10, 20):
+        opt2.zero_grad()
+        torch.nn.functional.mse_loss(model2(xs[i]), ys[i]).backward()
+        opt2.step()
+    for a, b in zip(full_model.parameters(), model2.parameters()):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("codec", ["onebit", "topk", "signsgd", "efsignsgd", "bf16"])
+def test_stock_optimizer_rejects_allgather_codecs(codec):
+    model = make_model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(),
+                                   compression=getattr(Compression, codec))
+    xs, ys = regression_data(RANK, 1)
+    with pytest.raises(RuntimeError, match="travel by allgather"):
+        torch.nn.functional.mse_loss(model(xs[0]), ys[0]).backward()
+
+
+@pytest.mark.parametrize("codec", ["fp16", "randomk"])
+def test_stock_optimizer_with_linear_codecs_equals_simulation(codec):
+    n = 5000
+    p = torch.nn.Parameter(torch.zeros(n))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD([p], lr=0.0), named_parameters=[("w", p)],
+                                   compression=getattr(Compression, codec))
+    grads = grads_for_step(n, "float32", 0)
+    opt.zero_grad()
+    (p * n2t(grads[RANK], "float32")).sum().backward()
+    opt.synchronize()
+    if codec == "fp16":  # Horovod's Average on halves: half sum, then times 1/2
+        hs = [g.astype(np.float16).astype(np.float32) for g in grads]
+        want = (rank_sum(hs).astype(np.float16).astype(np.float32) * np.float32(0.5))
+        want = want.astype(np.float16).astype(np.float32)
+    else:
+        k = ref.kept(0.01, n)
+        seed = hc.derive_seed(0, f"[{n}]#0", 0)
+        vals = [g[ref.randomk_strata(n, k, seed)[0]] for g in grads]
+        want = ref.decode("randomk", ((vals[0] + vals[1]) * np.float32(0.5)).tobytes(), n,
+                          "float32", 1.0, k=k, seed=seed)
+    np.testing.assert_array_equal(t2n(p.grad), want)
+
+
+def test_ranks_with_different_specs_get_an_error():
+    spec = "topk,k=0.01" if RANK == 0 else "topk,k=0.02"
+    with pytest.raises(ValueError, match="ranks disagree on the compression spec"):
+        single_param_optimizer(spec, 100)
+
+
+def test_mismatched_codec_payloads_are_refused():
+    """Same payload size, different codec: the tag check refuses instead of decoding garbage."""
+    from hvd_compress.torch.codec import TorchCodec
+    codec = TorchCodec(hc.parse_spec("onebit" if RANK == 0 else "signsgd"), None)
+    enc = codec.encode("w", torch.randn(1000))
+    gathered = hvd.allgather(enc.payload, name="tag_check")
+    with pytest.raises(ValueError, match="ranks must use the same compression spec"):
+        codec.aggregate(gathered, enc, 0.5)
+
+
+def test_mismatched_payload_sizes_raise_not_hang():
+    payload = torch.zeros(1, 16 if RANK == 0 else 24, dtype=torch.uint8)
+    with pytest.raises(Exception, match="(?i)mismatch"):
+        hvd.allgather(payload, name="size_check")
+
+
+def test_bad_optimizer_arguments():
+    p = torch.nn.Parameter(torch.zeros(4))
+    sgd = torch.optim.SGD([p], lr=0.1)
+    with pytest.raises(ValueError, match="op=.* is not supported with compression; valid"):
+        hvdc.DistributedOptimizer(sgd, compression="topk", op=hvd.Adasum)
+    with pytest.raises(ValueError, match="groups/num_groups are not supported"):
+        hvdc.DistributedOptimizer(sgd, compression="topk", num_groups=2)
+    with pytest.raises(ValueError, match="min_compress_bytes must be an integer >= 0"):
+        hvdc.DistributedOptimizer(sgd, compression="topk", min_compress_bytes=-1)
+    with pytest.raises(ValueError, match="unknown codec"):
+        hvdc.DistributedOptimizer(sgd, compression="topkk")
