@@ -152,7 +152,7 @@ register(CodecInfo(
     params=(K_PARAM, Param("rescale", bool, False, "true or false",
                            "multiply kept values by n/k (unbiased; leave off with ef)")),
     wire="k values in the gradient dtype; indices regenerated from the shared seed",
-    doc="one random element per stratum of n/k, indices from (seed, step, parameter name) "
+    doc="one random element per stratum of ~n/k, indices from (seed, step, parameter name) "
         "identical on all ranks, so values are allreduced and no index is sent",
     bits_per_element=lambda isz, p: (p.get("k", 0.01) if p.get("k", 0.01) < 1 else float("nan"))
     * 8 * isz, uses_seed=True))

@@ -76,7 +76,8 @@ def randomk_strata(n: int, k: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     with np.errstate(over="ignore"):
         h = mix64(np.uint64(seed) + (j + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15))
     size = (hi - lo).astype(np.uint64)
-    return lo + (h % size).astype(np.int64), (hi - lo)
+    offset = ((h >> np.uint64(32)) * size) >> np.uint64(32)
+    return lo + offset.astype(np.int64), (hi - lo)
 
 
 # ---- codecs --------------------------------------------------------------------------------

@@ -15,17 +15,29 @@ inline uint64_t mix64(uint64_t z) {  // splitmix64 finaliser
   return z ^ (z >> 31);
 }
 
-struct Stratum {
-  int64_t index;
-  int64_t size;
-};
+// Walks the strata in order without a division per stratum:
+// lo_j = j*q + floor(j*r/k) with q = n/k, r = n%k; the floor part steps by one when the running
+// remainder wraps. The offset inside a stratum is the top 32 bits of the hash scaled to its size
+// (size < 2^31, so the product fits 64 bits).
+class Strata {
+ public:
+  Strata(int64_t n, int64_t k, uint64_t seed) : k_(k), q_(n / k), r_(n % k), seed_(seed) {}
+  // Index drawn in stratum j (called for j = 0, 1, 2, ... in order) and that stratum's size.
+  int64_t next(int64_t j, int64_t* size) {
+    const bool carry = rem_ + r_ >= k_;
+    *size = q_ + (carry ? 1 : 0);
+    rem_ = rem_ + r_ - (carry ? k_ : 0);
+    const uint64_t h = mix64(seed_ + static_cast<uint64_t>(j + 1) * 0x9e3779b97f4a7c15ull);
+    const int64_t idx = lo_ + static_cast<int64_t>(((h >> 32) * static_cast<uint64_t>(*size)) >> 32);
+    lo_ += *size;
+    return idx;
+  }
 
-inline Stratum stratum(int64_t j, int64_t n, int64_t k, uint64_t seed) {
-  const int64_t lo = static_cast<int64_t>((static_cast<__int128>(j) * n) / k);
-  const int64_t hi = static_cast<int64_t>((static_cast<__int128>(j + 1) * n) / k);
-  const uint64_t h = mix64(seed + static_cast<uint64_t>(j + 1) * 0x9e3779b97f4a7c15ull);
-  return {lo + static_cast<int64_t>(h % static_cast<uint64_t>(hi - lo)), hi - lo};
-}
+ private:
+  int64_t k_, q_, r_;
+  uint64_t seed_;
+  int64_t lo_ = 0, rem_ = 0;
+};
 
 }  // namespace
 
@@ -34,7 +46,10 @@ void encode(DType d, const void* x, int64_t n, const Params& p, void* payload) {
     using T = std::remove_pointer_t<decltype(tag)>;
     const T* xs = static_cast<const T*>(x);
     T* vals = static_cast<T*>(payload);
-    for (int64_t j = 0; j < p.k; ++j) vals[j] = xs[stratum(j, n, p.k, p.seed).index];
+    if (p.k == 0) return;
+    Strata strata(n, p.k, p.seed);
+    int64_t size;
+    for (int64_t j = 0; j < p.k; ++j) vals[j] = xs[strata.next(j, &size)];
   });
 }
 
@@ -47,11 +62,14 @@ void decode(DType d, const void* payload, int64_t n, const Params& p, void* out,
     T* o = static_cast<T*>(out);
     if (!acc) std::fill(o, o + n, from_acc<T>(0));
     const A a = static_cast<A>(alpha);
+    if (p.k == 0) return;
+    Strata strata(n, p.k, p.seed);
     for (int64_t j = 0; j < p.k; ++j) {
-      const Stratum s = stratum(j, n, p.k, p.seed);
+      int64_t size;
+      const int64_t i = strata.next(j, &size);
       A v = to_acc(vals[j]);
-      if (p.rescale) v = v * static_cast<A>(s.size);
-      o[s.index] = from_acc<T>(to_acc(o[s.index]) + a * v);
+      if (p.rescale) v = v * static_cast<A>(size);
+      o[i] = from_acc<T>(to_acc(o[i]) + a * v);
     }
   });
 }
