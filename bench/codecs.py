@@ -37,8 +37,9 @@ def ours(spec, x):
     payload = _C.new_payload(kid, x, p)
     out = torch.empty_like(x)
     e = torch.zeros_like(x)
+    carry = torch.zeros(_C.ef_carry_size(kid))
     if cfg.ef == "vanilla":
-        compress = lambda: _C.ef_encode(kid, x, e, p, payload)  # noqa: E731
+        compress = lambda: _C.ef_encode(kid, x, e, carry, p, payload)  # noqa: E731
     else:
         compress = lambda: _C.encode(kid, x, p, payload)  # noqa: E731
     compress()
@@ -111,7 +112,7 @@ def main():
           f"median of {args.runs}; SIMD path: {_C.cpu_isa()}")
     print(f"memory on this machine: read-only x.sum() {gb / read_s:.1f} GB/s, "
           f"copy y.copy_(x) {gb / copy_s:.1f} GB/s")
-    header = (f"| {'codec':10s} | {'wire bytes':>12s} | {'compress GB/s':>13s} | "
+    header = (f"| {'codec':14s} | {'wire bytes':>12s} | {'compress GB/s':>13s} | "
               f"{'torch ops GB/s':>14s} | {'speedup':>7s} | {'decompress GB/s':>15s} | "
               f"{'torch ops GB/s':>14s} |")
     print(header)
@@ -126,7 +127,7 @@ def main():
              "decompress_gbps": gb / median_seconds(d_ours, args.runs),
              "decompress_torch_gbps": gb / median_seconds(d_torch, args.runs)}
         rows.append(r)
-        print(f"| {spec:10s} | {wire:12,d} | {r['compress_gbps']:13.2f} | "
+        print(f"| {spec:14s} | {wire:12,d} | {r['compress_gbps']:13.2f} | "
               f"{r['compress_torch_gbps']:14.2f} | "
               f"{r['compress_gbps'] / r['compress_torch_gbps']:6.1f}x | "
               f"{r['decompress_gbps']:15.2f} | {r['decompress_torch_gbps']:14.2f} |", flush=True)

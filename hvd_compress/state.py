@@ -53,6 +53,10 @@ class StateStore:
         self._slots[name][kind] = held
         return held
 
+    def peek(self, name: str, kind: str) -> Any:
+        """The live slot, or None when it does not exist (yet)."""
+        return self._slots.get(name, {}).get(kind)
+
     def next_step(self, name: str) -> int:
         """This parameter's compression count so far, then counts one more."""
         step = self._steps.get(name, 0)

@@ -13,25 +13,35 @@ namespace {
 __attribute__((target("avx2,f16c"))) void f32_to_f16_avx2(const float* x, uint16_t* y, int64_t n,
                                                           float s) {
   const __m256 vs = _mm256_set1_ps(s);
+  const bool stream = stream_to(y, 2 * n);
   int64_t i = 0;
   for (; i + 32 <= n; i += 32) {
-    for (int u = 0; u < 4; ++u) {
-      __m256 v = _mm256_mul_ps(_mm256_loadu_ps(x + i + 8 * u), vs);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(y + i + 8 * u),
-                       _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    for (int u = 0; u < 4; u += 2) {
+      __m128i a = _mm256_cvtps_ph(_mm256_mul_ps(_mm256_loadu_ps(x + i + 8 * u), vs),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      __m128i b = _mm256_cvtps_ph(_mm256_mul_ps(_mm256_loadu_ps(x + i + 8 * u + 8), vs),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      __m256i ab = _mm256_set_m128i(b, a);
+      auto* dst = reinterpret_cast<__m256i*>(y + i + 8 * u);
+      if (stream) _mm256_stream_si256(dst, ab);
+      else _mm256_storeu_si256(dst, ab);
     }
   }
+  if (stream) _mm_sfence();
   for (; i < n; ++i) y[i] = f32_to_f16_bits(x[i] * s);
 }
 
 __attribute__((target("avx2,f16c"))) void f16_to_f32_avx2(const uint16_t* h, float* y, int64_t n) {
+  const bool stream = stream_to(y, 4 * n);
   int64_t i = 0;
   for (; i + 32 <= n; i += 32) {
     for (int u = 0; u < 4; ++u) {
-      __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i + 8 * u));
-      _mm256_storeu_ps(y + i + 8 * u, _mm256_cvtph_ps(v));
+      __m256 v = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i + 8 * u)));
+      if (stream) _mm256_stream_ps(y + i + 8 * u, v);
+      else _mm256_storeu_ps(y + i + 8 * u, v);
     }
   }
+  if (stream) _mm_sfence();
   for (; i < n; ++i) y[i] = f16_bits_to_f32(h[i]);
 }
 
@@ -48,23 +58,31 @@ __attribute__((target("avx2"))) inline __m256i bf16_round_avx2(__m256 v) {
 __attribute__((target("avx2"))) void f32_to_bf16_avx2(const float* x, uint16_t* y, int64_t n,
                                                       float s) {
   const __m256 vs = _mm256_set1_ps(s);
+  const bool stream = stream_to(y, 2 * n);
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
     __m256i a = bf16_round_avx2(_mm256_mul_ps(_mm256_loadu_ps(x + i), vs));
     __m256i b = bf16_round_avx2(_mm256_mul_ps(_mm256_loadu_ps(x + i + 8), vs));
     // packus works per 128-bit lane; the permute restores element order.
     __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(a, b), 0xD8);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i), packed);
+    auto* dst = reinterpret_cast<__m256i*>(y + i);
+    if (stream) _mm256_stream_si256(dst, packed);
+    else _mm256_storeu_si256(dst, packed);
   }
+  if (stream) _mm_sfence();
   for (; i < n; ++i) y[i] = f32_to_bf16_bits(x[i] * s);
 }
 
 __attribute__((target("avx2"))) void bf16_to_f32_avx2(const uint16_t* h, float* y, int64_t n) {
+  const bool stream = stream_to(y, 4 * n);
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
     __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i)));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i), _mm256_slli_epi32(v, 16));
+    auto* dst = reinterpret_cast<__m256i*>(y + i);
+    if (stream) _mm256_stream_si256(dst, _mm256_slli_epi32(v, 16));
+    else _mm256_storeu_si256(dst, _mm256_slli_epi32(v, 16));
   }
+  if (stream) _mm_sfence();
   for (; i < n; ++i) y[i] = bf16_bits_to_f32(h[i]);
 }
 

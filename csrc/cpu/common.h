@@ -101,6 +101,13 @@ void check_tag(const void* payload, CodecId c, DType d, int64_t rank);
 
 bool cpu_has_avx2_f16c();
 
+// Outputs larger than this bypass the cache (non-temporal stores): they would not fit anyway,
+// and skipping the read-for-ownership saves a third of the memory traffic of a cast.
+constexpr int64_t kStreamingBytes = 8 << 20;
+inline bool stream_to(const void* y, int64_t bytes) {
+  return bytes >= kStreamingBytes && (reinterpret_cast<uintptr_t>(y) & 31) == 0;
+}
+
 // Per-codec entry points (one file each).
 namespace cast {
 int64_t payload_bytes(CodecId c, DType d, int64_t n);
@@ -115,8 +122,9 @@ void encode(CodecId c, DType d, const void* x, int64_t n, const Params& p, void*
 void decode(CodecId c, DType d, const void* payload, int64_t n, void* out, double alpha, bool acc);
 void aggregate(CodecId c, DType d, const void* payloads, int64_t ranks, int64_t stride, int64_t n,
                void* out, double alpha);
-void ef_encode(CodecId c, DType d, const void* x, void* e, int64_t n, const Params& p,
-               void* payload);
+void ef_encode(CodecId c, DType d, const void* x, void* e, float* carry, int64_t n,
+               const Params& p, void* payload);
+void ef_settle(DType d, void* e, float* carry, int64_t n);
 }  // namespace sign
 namespace topk {
 int64_t payload_bytes(DType d, int64_t k);

@@ -107,12 +107,26 @@ void aggregate(CodecId c, DType d, const void* payloads, int64_t ranks, int64_t 
                     " payloads are reduced by allreduce, not aggregated locally");
 }
 
-void ef_encode(CodecId c, DType d, const void* x, void* e, int64_t n, const Params& p,
-               void* payload) {
+int64_t ef_carry_size(CodecId c) {
+  codec_name(c);
+  return is_sign(c) ? 1 : 0;
+}
+
+void ef_settle(CodecId c, DType d, void* e, float* carry, int64_t n) {
+  check_common(c, d, n, Params{});
+  if (ef_carry_size(c) && carry == nullptr)
+    throw KernelError(std::string(codec_name(c)) + ": error feedback needs its carry slot");
+  if (is_sign(c)) sign::ef_settle(d, e, carry, n);
+}
+
+void ef_encode(CodecId c, DType d, const void* x, void* e, float* carry, int64_t n,
+               const Params& p, void* payload) {
   check_common(c, d, n, p);
   if (!(p.prescale > 0.0))
     throw KernelError("prescale must be > 0, got " + std::to_string(p.prescale));
-  if (is_sign(c)) return sign::ef_encode(c, d, x, e, n, p, payload);
+  if (ef_carry_size(c) && carry == nullptr)
+    throw KernelError(std::string(codec_name(c)) + ": error feedback needs its carry slot");
+  if (is_sign(c)) return sign::ef_encode(c, d, x, e, carry, n, p, payload);
   dispatch_dtype(d, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     const T* xs = static_cast<const T*>(x);

@@ -77,16 +77,21 @@ __attribute__((target("avx2"))) double encode_f32_avx2(const float* x, int64_t n
   return sum;
 }
 
-// p = x + e stored in e, then packed; the same rounding as the unfused path (p is rounded to
-// float before its sign and magnitude are taken).
-__attribute__((target("avx2"))) double ef_pass1_f32_avx2(const float* x, float* e, int64_t n,
-                                                         uint64_t* words) {
+// One pass of lazy error feedback: the residual e = q - (q < 0 ? -s : s) of the previous step is
+// formed from q (held in e) and its scale s, then p = x + e is stored back into e, packed and
+// summed. Each value is rounded to float exactly where the eager definition rounds it.
+__attribute__((target("avx2"))) double ef_pass_f32_avx2(const float* x, float* e, float s,
+                                                        int64_t n, uint64_t* words) {
   __m256d acc[4] = {_mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd(),
                     _mm256_setzero_pd()};
+  const __m256 zero = _mm256_setzero_ps();
+  const __m256 pos = _mm256_set1_ps(s), neg = _mm256_set1_ps(-s);
   int64_t i = 0;
   for (; i + 64 <= n; i += 64) {
     for (int u = 0; u < 8; ++u) {
-      __m256 p = _mm256_add_ps(_mm256_loadu_ps(x + i + 8 * u), _mm256_loadu_ps(e + i + 8 * u));
+      __m256 q = _mm256_loadu_ps(e + i + 8 * u);
+      __m256 corr = _mm256_blendv_ps(pos, neg, _mm256_cmp_ps(q, zero, _CMP_LT_OQ));
+      __m256 p = _mm256_add_ps(_mm256_loadu_ps(x + i + 8 * u), _mm256_sub_ps(q, corr));
       _mm256_storeu_ps(e + i + 8 * u, p);
     }
     words[i / 64] = pack64_avx2(e + i, acc);
@@ -95,7 +100,8 @@ __attribute__((target("avx2"))) double ef_pass1_f32_avx2(const float* x, float* 
   if (i < n) {
     uint64_t w = 0;
     for (int64_t j = i; j < n; ++j) {
-      e[j] = x[j] + e[j];
+      const float q = e[j];
+      e[j] = x[j] + (q - (q < 0.0f ? -s : s));
       w |= static_cast<uint64_t>(e[j] < 0.0f) << (j - i);
       sum += std::fabs(static_cast<double>(e[j]));
     }
@@ -110,14 +116,17 @@ __attribute__((target("avx2"))) void decode_f32_avx2(const uint64_t* words, int6
   const __m256i sel = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
   const __m256 pos = _mm256_set1_ps(v), neg = _mm256_set1_ps(-v);
   const uint8_t* bytes = reinterpret_cast<const uint8_t*>(words);
+  const bool stream = !acc && stream_to(out, 4 * n);
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
     __m256i b = _mm256_set1_epi32(bytes[i / 8]);
     __m256 m = _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(b, sel), sel));
     __m256 d = _mm256_blendv_ps(pos, neg, m);
     if (acc) d = _mm256_add_ps(_mm256_loadu_ps(out + i), d);
-    _mm256_storeu_ps(out + i, d);
+    if (stream) _mm256_stream_ps(out + i, d);
+    else _mm256_storeu_ps(out + i, d);
   }
+  if (stream) _mm_sfence();
   for (; i < n; ++i) {
     float d = ((bytes[i / 8] >> (i % 8)) & 1) ? -v : v;
     out[i] = acc ? out[i] + d : d;
@@ -234,28 +243,45 @@ void aggregate(CodecId c, DType d, const void* payloads, int64_t ranks, int64_t 
   });
 }
 
-void ef_encode(CodecId c, DType d, const void* x, void* e, int64_t n, const Params& p,
-               void* payload) {
+void ef_encode(CodecId c, DType d, const void* x, void* e, float* carry, int64_t n,
+               const Params& p, void* payload) {
   View v = view(payload);
   *v.tag = payload_tag(c, d);
   const bool scaling = (c == kEFSignSGD) ? true : p.scaling;
-  dispatch_dtype(d, [&](auto* tag) {
+  const float s = *carry;
+  double sum = dispatch_dtype(d, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
+    using A = typename Acc<T>::type;
     const T* xs = static_cast<const T*>(x);
     T* es = static_cast<T*>(e);
-    double sum = 0.0;
-    bool fast = false;
-    if constexpr (std::is_same_v<T, float>) fast = cpu_has_avx2_f16c();
     if constexpr (std::is_same_v<T, float>) {
-      if (fast) sum = ef_pass1_f32_avx2(xs, es, n, v.words);
+      if (cpu_has_avx2_f16c()) return ef_pass_f32_avx2(xs, es, s, n, v.words);
     }
-    if (!fast) {
-      for (int64_t i = 0; i < n; ++i) es[i] = from_acc<T>(to_acc(xs[i]) + to_acc(es[i]));
-      sum = encode_scalar(es, n, v.words);
+    const A sa = static_cast<A>(s);
+    for (int64_t i = 0; i < n; ++i) {
+      const A q = to_acc(es[i]);
+      const T residual = from_acc<T>(q - (q < 0 ? -sa : sa));
+      es[i] = from_acc<T>(to_acc(xs[i]) + to_acc(residual));
     }
-    *v.scale = finish_scale(sum, n, scaling);
-    decode_t(v.words, n, *v.scale, -1.0, es, true);  // e = p - D(payload)
+    return encode_scalar(es, n, v.words);
   });
+  *v.scale = finish_scale(sum, n, scaling);
+  *carry = *v.scale;
+}
+
+void ef_settle(DType d, void* e, float* carry, int64_t n) {
+  const float s = *carry;
+  dispatch_dtype(d, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    using A = typename Acc<T>::type;
+    T* es = static_cast<T*>(e);
+    const A sa = static_cast<A>(s);
+    for (int64_t i = 0; i < n; ++i) {
+      const A q = to_acc(es[i]);
+      es[i] = from_acc<T>(q - (q < 0 ? -sa : sa));
+    }
+  });
+  *carry = 0.0f;
 }
 
 }  // namespace sign

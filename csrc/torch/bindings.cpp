@@ -100,15 +100,34 @@ void aggregate(int64_t codec, const at::Tensor& gathered, at::Tensor& out, const
                   gathered.size(1), out.numel(), p, out.data_ptr(), alpha);
 }
 
-void ef_encode(int64_t codec, const at::Tensor& x, at::Tensor& e, const hvdc::Params& p,
-               at::Tensor& payload) {
+float* carry_of(int64_t codec, at::Tensor& carry) {
+  const int64_t want = hvdc::ef_carry_size(static_cast<hvdc::CodecId>(codec));
+  check_cpu(carry, "error-feedback carry");
+  if (carry.scalar_type() != at::kFloat || carry.numel() != want || !carry.is_contiguous())
+    throw hvdc::KernelError("error-feedback carry must be a contiguous float32 tensor of " +
+                            std::to_string(want) + " element(s) for this codec");
+  return want ? carry.data_ptr<float>() : nullptr;
+}
+
+void ef_encode(int64_t codec, const at::Tensor& x, at::Tensor& e, at::Tensor& carry,
+               const hvdc::Params& p, at::Tensor& payload) {
   check_cpu(x, "gradient");
   check_out(e, x, "error-feedback residual");
   const auto d = dtype_of(x, "gradient");
   auto xc = x.contiguous();
   check_payload(payload, codec, d, xc.numel(), p);
-  hvdc::ef_encode(static_cast<hvdc::CodecId>(codec), d, xc.data_ptr(), e.data_ptr(), xc.numel(), p,
-                  payload.data_ptr());
+  hvdc::ef_encode(static_cast<hvdc::CodecId>(codec), d, xc.data_ptr(), e.data_ptr(),
+                  carry_of(codec, carry), xc.numel(), p, payload.data_ptr());
+}
+
+void ef_settle(int64_t codec, at::Tensor& e, at::Tensor& carry) {
+  check_out(e, e, "error-feedback residual");
+  hvdc::ef_settle(static_cast<hvdc::CodecId>(codec), dtype_of(e, "residual"), e.data_ptr(),
+                  carry_of(codec, carry), e.numel());
+}
+
+int64_t ef_carry_size(int64_t codec) {
+  return hvdc::ef_carry_size(static_cast<hvdc::CodecId>(codec));
 }
 
 void nesterov(at::Tensor& x, at::Tensor& m, double mu) {
@@ -135,6 +154,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode", &decode, G());
   m.def("aggregate", &aggregate, G());
   m.def("ef_encode", &ef_encode, G());
+  m.def("ef_settle", &ef_settle, G());
+  m.def("ef_carry_size", &ef_carry_size);
   m.def("nesterov", &nesterov, G());
   m.def("cpu_isa", &hvdc::cpu_isa);
 }

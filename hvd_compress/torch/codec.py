@@ -17,6 +17,7 @@ from . import _C
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
                torch.float64: "float64"}
 _NUMPY_VIEW = {torch.bfloat16: torch.float32}  # numpy has no bfloat16: upcast, exactly
+_NO_CARRY = torch.zeros(0)
 
 
 def check_gradient(t: torch.Tensor, what: str = "gradient") -> None:
@@ -67,13 +68,30 @@ class TorchCodec:
             _C.nesterov(x, self._slot(name, "momentum", x), cfg.mu)
         payload = _C.new_payload(info.kernel_id, x, kp)
         if cfg.ef == "vanilla":
-            _C.ef_encode(info.kernel_id, x, self._slot(name, "ef", x), kp, payload)
+            _C.ef_encode(info.kernel_id, x, self._slot(name, "ef", x), self._carry(name), kp,
+                         payload)
         else:
             _C.encode(info.kernel_id, x, kp, payload)
         if not info.linear:
             # [1, bytes]: ranks whose payload sizes differ fail Horovod's allgather shape check.
             payload = payload.view(torch.uint8).view(1, -1)
         return Encoded(payload, kp, grad.shape, grad.dtype)
+
+    def _carry(self, name: str) -> torch.Tensor:
+        size = _C.ef_carry_size(self.info.kernel_id)
+        return self._slot(name, "ef_carry", torch.zeros(size)) if size else _NO_CARRY
+
+    def settle(self) -> None:
+        """Bring every lazily kept residual to its plain form (a no-op for the state's meaning);
+        called before the state is read or checkpointed."""
+        if self.store is None or self.config.ef != "vanilla":
+            return
+        if not _C.ef_carry_size(self.info.kernel_id):
+            return
+        for name in self.store.names():
+            e = self.store.peek(name, "ef")
+            if e is not None:
+                _C.ef_settle(self.info.kernel_id, e, self._carry(name))
 
     def _slot(self, name: str, kind: str, like: torch.Tensor) -> torch.Tensor:
         if self.store is None:

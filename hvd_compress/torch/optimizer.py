@@ -103,6 +103,7 @@ class _CompressedReduction:
     def compression_state_dict(self) -> dict:
         """Error-feedback residuals, momentum buffers and step counters as numpy arrays, keyed
         by parameter name (the format both frontends share)."""
+        self._hvdc_codec.settle()
         return self._hvdc_store.state_dict()
 
     def load_compression_state_dict(self, state: dict, strict_spec: bool = True) -> None:

@@ -243,8 +243,8 @@ def test_backward_passes_per_step_accumulates_before_compressing():
     assert same_bits(t2n(p.grad), want)
 
 
-def test_compression_state_checkpoint_restart_is_bit_exact():
-    spec = "topk,k=0.1,ef=vanilla,momentum=nesterov"
+@pytest.mark.parametrize("spec", ["topk,k=0.1,ef=vanilla,momentum=nesterov", "efsignsgd"])
+def test_compression_state_checkpoint_restart_is_bit_exact(spec):
     full_model, _, _ = train(spec, steps=20)
     model, opt, _ = train(spec, steps=10)
     saved = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()),

@@ -107,14 +107,18 @@ def test_error_feedback_matches_reference(codec, dtype):
     prescale = 0.5 if codec == "fp16" else 1.0
     p = params(k=k, seed=9, prescale=prescale)
     e = random_grad(n, dtype, seed=1) * 0.1
+    carry = torch.zeros(_C.ef_carry_size(ID[codec]))
     e_ref = t2n(e)
     for step in range(3):
         x = random_grad(n, dtype, seed=10 + step)
         payload = _C.new_payload(ID[codec], x, p)
-        _C.ef_encode(ID[codec], x, e, p, payload)
+        _C.ef_encode(ID[codec], x, e, carry, p, payload)  # e stays lazy across steps
         want, e_ref = ref.ef_encode(codec, t2n(x), e_ref, dtype, prescale=prescale, k=k, seed=9)
         assert payload_bytes(payload) == want
-        assert same_bits(t2n(e), e_ref)
+        settled, settled_carry = e.clone(), carry.clone()
+        _C.ef_settle(ID[codec], settled, settled_carry)
+        assert same_bits(t2n(settled), e_ref)
+        assert not settled_carry.any()
 
 
 @pytest.mark.parametrize("codec", ["none", "fp16", "bf16", "onebit", "signsgd", "efsignsgd",
@@ -125,11 +129,13 @@ def test_error_feedback_invariant_float64(codec):
     k = k_for(codec, n)
     p = params(k=k, seed=3)
     e = torch.zeros(n, dtype=torch.float64)
+    carry = torch.zeros(_C.ef_carry_size(ID[codec]))
     for step in range(4):
         g = random_grad(n, "float64", seed=step)
         before = (g + e).clone()
         payload = _C.new_payload(ID[codec], g, p)
-        _C.ef_encode(ID[codec], g, e, p, payload)
+        _C.ef_encode(ID[codec], g, e, carry, p, payload)
+        _C.ef_settle(ID[codec], e, carry)
         decoded = torch.empty_like(g)
         _C.decode(ID[codec], payload, decoded, p, 1.0, False)
         np.testing.assert_allclose((decoded + e).numpy(), before.numpy(), rtol=1e-12, atol=1e-12)
@@ -138,14 +144,28 @@ def test_error_feedback_invariant_float64(codec):
 def test_efsignsgd_equals_onebit_with_error_feedback():
     x = random_grad(10000, "float32")
     e1, e2 = torch.zeros(10000), torch.zeros(10000)
+    c1, c2 = torch.zeros(1), torch.zeros(1)
     p = params()
     for step in range(3):
         pa = _C.new_payload(ID["efsignsgd"], x, p)
         pb = _C.new_payload(ID["onebit"], x, p)
-        _C.ef_encode(ID["efsignsgd"], x, e1, p, pa)
-        _C.ef_encode(ID["onebit"], x, e2, p, pb)
+        _C.ef_encode(ID["efsignsgd"], x, e1, c1, p, pa)
+        _C.ef_encode(ID["onebit"], x, e2, c2, p, pb)
         assert payload_bytes(pa)[4:] == payload_bytes(pb)[4:]  # all but the codec tag
-        assert torch.equal(e1, e2)
+        assert torch.equal(e1, e2) and torch.equal(c1, c2)
+
+
+def test_ef_carry_is_required_and_checked():
+    x = torch.ones(10)
+    e = torch.zeros(10)
+    p = params()
+    payload = _C.new_payload(ID["onebit"], x, p)
+    with pytest.raises(ValueError, match="carry must be a contiguous float32 tensor of 1"):
+        _C.ef_encode(ID["onebit"], x, e, torch.zeros(0), p, payload)
+    with pytest.raises(ValueError, match="must match the gradient"):
+        _C.ef_encode(ID["onebit"], x, torch.zeros(11), torch.zeros(1), p, payload)
+    with pytest.raises(ValueError, match="payload has 8 bytes, the codec needs 16"):
+        _C.ef_encode(ID["onebit"], x, e, torch.zeros(1), p, payload[:8])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -267,7 +287,8 @@ def test_scalar_and_simd_paths_agree(tmp_path):
         "        p = params(k=max(1, n // 50), seed=3)\n"
         "        pl = _C.new_payload(c, x, p); _C.encode(c, x, p, pl)\n"
         "        e = random_grad(n, 'float32', seed=1); pe = _C.new_payload(c, x, p)\n"
-        "        _C.ef_encode(c, x, e, p, pe)\n"
+        "        cr = torch.full((_C.ef_carry_size(c),), 0.3)\n"
+        "        _C.ef_encode(c, x, e, cr, p, pe); _C.ef_encode(c, x, e, cr, p, pe)\n"
         "        d = torch.empty(n); _C.decode(c, pl, d, p, 0.5, False)\n"
         "        out.append(payload_bytes(pl) + payload_bytes(pe) + e.numpy().tobytes() + d.numpy().tobytes())\n"
         "sys.stdout.buffer.write(b''.join(out))\n")

@@ -59,9 +59,17 @@ void aggregate(CodecId codec, DType dtype, const void* payloads, int64_t ranks, 
                int64_t n, const Params& p, void* out, double alpha);
 
 // Error feedback around any codec, one call: p = x + e; payload = C(p); e = p - D(payload).
-// Sign codecs run fused (two passes over e, none over a temporary).
-void ef_encode(CodecId codec, DType dtype, const void* x, void* e, int64_t n, const Params& p,
-               void* payload);
+//
+// Codecs with ef_carry_size() > 0 (the sign family) keep the residual lazily so that one pass
+// suffices: after the call e holds p and carry[0] the scale whose +-scale has yet to be taken
+// off; the next call (or ef_settle) does that first. The arithmetic, and so every bit of the
+// payloads and of the settled residual, equals the eager definition above. carry must point to
+// ef_carry_size() floats, zero-initialised with e; it may be null when that size is 0.
+void ef_encode(CodecId codec, DType dtype, const void* x, void* e, float* carry, int64_t n,
+               const Params& p, void* payload);
+int64_t ef_carry_size(CodecId codec);
+// Makes e the plain residual (and carry zero): before reading or checkpointing e.
+void ef_settle(CodecId codec, DType dtype, void* e, float* carry, int64_t n);
 
 // Worker-side Nesterov momentum, in place on x: m = mu * m + x; x = mu * m + x.
 void nesterov(DType dtype, void* x, void* m, int64_t n, double mu);
