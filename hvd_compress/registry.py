@@ -49,7 +49,8 @@ class CodecInfo:
     params: tuple[Param, ...]
     wire: str
     doc: str
-    bits_per_element: Callable[[int, dict], float]
+    bits_per_element: Callable[[int], float]  # of the gradient itemsize; per kept element
+                                              # for codecs with a `k`
     builtin_ef: bool = False
     uses_seed: bool = False
     prescale_average: bool = False
@@ -106,23 +107,23 @@ def get_codec(name: str) -> CodecInfo:
         raise ValueError(f"unknown codec {name!r}; valid codecs: {', '.join(_REGISTRY)}") from None
 
 
-def _sign_bits(itemsize: int, params: dict) -> float:
+def _sign_bits(itemsize: int) -> float:
     return 1.0
 
 
 register(CodecInfo(
     name="none", kernel_id=0, collective="allreduce", aggregation="mean", params=(),
     wire="the gradient itself", doc="no compression: Horovod's plain allreduce",
-    bits_per_element=lambda isz, p: 8.0 * isz))
+    bits_per_element=lambda isz: 8.0 * isz))
 register(CodecInfo(
     name="fp16", kernel_id=1, collective="allreduce", aggregation="mean", params=(),
     wire="float16[n], pre-divided by the world size (overflow guard)",
     doc="cast to IEEE half precision, round to nearest even",
-    bits_per_element=lambda isz, p: 16.0, prescale_average=True))
+    bits_per_element=lambda isz: 16.0, prescale_average=True))
 register(CodecInfo(
     name="bf16", kernel_id=2, collective="allgather", aggregation="mean", params=(),
     wire="bfloat16[n]", doc="cast to bfloat16, round to nearest even",
-    bits_per_element=lambda isz, p: 16.0,
+    bits_per_element=lambda isz: 16.0,
     collective_note="linear, but Horovod 0.28.1 has no bfloat16 reduction: payloads are "
                     "allgathered and summed locally in float32"))
 register(CodecInfo(
@@ -145,8 +146,7 @@ register(CodecInfo(
     name="topk", kernel_id=6, collective="allgather", aggregation="mean", params=(K_PARAM,),
     wire="[u32 tag][u32 k][i32 indices, ascending][k values, gradient dtype]",
     doc="the k largest magnitudes (ties: lower index first), fixed k per tensor",
-    bits_per_element=lambda isz, p: (p.get("k", 0.01) if p.get("k", 0.01) < 1 else float("nan"))
-    * (32 + 8 * isz)))
+    bits_per_element=lambda isz: 32 + 8 * isz))
 register(CodecInfo(
     name="randomk", kernel_id=7, collective="allreduce", aggregation="mean",
     params=(K_PARAM, Param("rescale", bool, False, "true or false",
@@ -154,5 +154,29 @@ register(CodecInfo(
     wire="k values in the gradient dtype; indices regenerated from the shared seed",
     doc="one random element per stratum of ~n/k, indices from (seed, step, parameter name) "
         "identical on all ranks, so values are allreduced and no index is sent",
-    bits_per_element=lambda isz, p: (p.get("k", 0.01) if p.get("k", 0.01) < 1 else float("nan"))
-    * 8 * isz, uses_seed=True))
+    bits_per_element=lambda isz: 8 * isz, uses_seed=True))
+
+
+def codec_table() -> str:
+    """The README's codec table, generated so the documentation cannot drift from the registry."""
+    lines = ["| codec | parameters (default) | collective | bytes on the wire per fp32 element | "
+             "what it sends |",
+             "|---|---|---|---|---|"]
+    for c in codecs():
+        params = ", ".join(f"`{p.name}` ({p.default!r})" for p in c.params) or "-"
+        if c.builtin_ef:
+            params += "; error feedback built in"
+        if c.uses_seed:
+            params += "; uses `seed`"
+        if "k" in [p.name for p in c.params]:
+            per_kept = c.bits_per_element(4) / 8
+            wire = f"{per_kept:g} per kept element ({per_kept * 0.01:g} at k=0.01)"
+        else:
+            wire = f"{c.bits_per_element(4) / 8:g}"
+            if c.collective == "allgather":
+                wire += " + 8-byte header" if c.name != "bf16" else ""
+        collective = c.collective + (f" ({c.collective_note})" if c.collective_note else "")
+        if c.aggregation == "majority":
+            collective += ", majority vote"
+        lines.append(f"| `{c.name}` | {params} | {collective} | {wire} | {c.wire} |")
+    return "\n".join(lines)

@@ -105,3 +105,10 @@ def test_derive_seed_is_stable_and_does_not_touch_global_rng():
                 hc.derive_seed(1, "layer1.weight", 5)}) == 4
     assert 0 <= a < 2**64
     assert random.getstate() == state[0] and (np.random.get_state()[1] == state[1]).all()
+
+
+def test_readme_codec_table_is_the_registry():
+    import os
+    from hvd_compress.registry import codec_table
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md")).read()
+    assert codec_table() in readme, "README's codec table is stale: paste registry.codec_table()"
