@@ -93,6 +93,7 @@ def encode(codec: str, x: np.ndarray, dtype: str, *, k: int = 0, seed: int = 0,
     if codec == "none":
         return x.tobytes()
     if codec in ("fp16", "bf16"):
+        np.seterr(over="ignore")  # overflow to inf is the defined result of the cast
         if dtype == "float64":
             v = x * prescale
             return (v.astype(np.float16) if codec == "fp16" else bf16_bits_from_f64(v)).tobytes()

@@ -45,14 +45,12 @@ __attribute__((target("avx2,f16c"))) void f16_to_f32_avx2(const uint16_t* h, flo
   for (; i < n; ++i) y[i] = f16_bits_to_f32(h[i]);
 }
 
+// Round to nearest even by adding 0x7fff + lsb. NaNs would carry into the exponent, so a block
+// holding any NaN is redone by the scalar rounding, which keeps them quiet NaNs.
 __attribute__((target("avx2"))) inline __m256i bf16_round_avx2(__m256 v) {
   const __m256i u = _mm256_castps_si256(v);
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  const __m256i rounded = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
-  const __m256i absu = _mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff));
-  const __m256i nan = _mm256_cmpgt_epi32(absu, _mm256_set1_epi32(0x7f800000));
-  const __m256i quiet = _mm256_or_si256(u, _mm256_set1_epi32(0x00400000));
-  return _mm256_srli_epi32(_mm256_blendv_epi8(rounded, quiet, nan), 16);
+  return _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
 }
 
 __attribute__((target("avx2"))) void f32_to_bf16_avx2(const float* x, uint16_t* y, int64_t n,
@@ -61,10 +59,17 @@ __attribute__((target("avx2"))) void f32_to_bf16_avx2(const float* x, uint16_t* 
   const bool stream = stream_to(y, 2 * n);
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    __m256i a = bf16_round_avx2(_mm256_mul_ps(_mm256_loadu_ps(x + i), vs));
-    __m256i b = bf16_round_avx2(_mm256_mul_ps(_mm256_loadu_ps(x + i + 8), vs));
+    __m256 va = _mm256_mul_ps(_mm256_loadu_ps(x + i), vs);
+    __m256 vb = _mm256_mul_ps(_mm256_loadu_ps(x + i + 8), vs);
     // packus works per 128-bit lane; the permute restores element order.
-    __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(a, b), 0xD8);
+    __m256i packed = _mm256_permute4x64_epi64(
+        _mm256_packus_epi32(bf16_round_avx2(va), bf16_round_avx2(vb)), 0xD8);
+    if (_mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(va, va, _CMP_UNORD_Q),
+                                        _mm256_cmp_ps(vb, vb, _CMP_UNORD_Q)))) {
+      alignas(32) uint16_t t[16];
+      for (int j = 0; j < 16; ++j) t[j] = f32_to_bf16_bits(x[i + j] * s);
+      packed = _mm256_load_si256(reinterpret_cast<const __m256i*>(t));
+    }
     auto* dst = reinterpret_cast<__m256i*>(y + i);
     if (stream) _mm256_stream_si256(dst, packed);
     else _mm256_storeu_si256(dst, packed);

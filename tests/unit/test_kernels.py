@@ -302,3 +302,17 @@ def test_scalar_and_simd_paths_agree(tmp_path):
 
 def test_isa_reported():
     assert _C.cpu_isa() in ("avx2+f16c", "scalar")
+
+
+@pytest.mark.parametrize("codec", ["fp16", "bf16"])
+def test_special_values_inside_simd_blocks(codec):
+    """NaN, infinities, signed zeros, float subnormals and values that overflow half precision,
+    placed inside full SIMD blocks (not only in the scalar tail)."""
+    x = random_grad(100, "float32", seed=3)
+    x[3], x[17], x[18], x[40], x[41] = float("nan"), float("inf"), float("-inf"), 1e-40, -0.0
+    x[70], x[71], x[72] = 65520.0, 3.3e38, -5.9e-8
+    payload = encode(codec, x, params())
+    assert payload_bytes(payload) == ref.encode(codec, t2n(x), "float32")
+    out = torch.empty_like(x)
+    _C.decode(ID[codec], payload, out, params(), 1.0, False)
+    assert torch.isnan(out[3]) and out[17] == float("inf") and out[18] == float("-inf")
