@@ -83,25 +83,20 @@ def _coerce(where: str, kind: type, value: Any) -> Any:
         if isinstance(value, int) and value in (0, 1):
             return bool(value)
         raise ValueError(f"{where} must be true or false, got {value!r}")
-    if kind is int:
+    if kind in (int, float):
+        what = "an integer" if kind is int else "a number"
         if isinstance(value, bool):
-            raise ValueError(f"{where} must be an integer, got {value!r}")
+            raise ValueError(f"{where} must be {what}, got {value!r}")
         try:
             f = float(value)
         except (TypeError, ValueError):
-            raise ValueError(f"{where} must be an integer, got {value!r}") from None
-        if not f.is_integer():
-            raise ValueError(f"{where} must be an integer, got {value!r}")
-        return int(f)
-    if kind is float:
-        if isinstance(value, bool):
-            raise ValueError(f"{where} must be a number, got {value!r}")
-        try:
-            f = float(value)
-        except (TypeError, ValueError):
-            raise ValueError(f"{where} must be a number, got {value!r}") from None
+            raise ValueError(f"{where} must be {what}, got {value!r}") from None
         if f != f or f in (float("inf"), float("-inf")):
             raise ValueError(f"{where} must be a finite number, got {value!r}")
+        if kind is int:
+            if not f.is_integer():
+                raise ValueError(f"{where} must be an integer, got {value!r}")
+            return int(f)
         return f
     return str(value)
 

@@ -93,12 +93,12 @@ def encode(codec: str, x: np.ndarray, dtype: str, *, k: int = 0, seed: int = 0,
     if codec == "none":
         return x.tobytes()
     if codec in ("fp16", "bf16"):
-        np.seterr(over="ignore")  # overflow to inf is the defined result of the cast
-        if dtype == "float64":
-            v = x * prescale
-            return (v.astype(np.float16) if codec == "fp16" else bf16_bits_from_f64(v)).tobytes()
-        v = to_acc(x, dtype) * np.float32(prescale)
-        return (v.astype(np.float16) if codec == "fp16" else bf16_bits(v)).tobytes()
+        with np.errstate(over="ignore"):  # overflow to inf is the defined result of the cast
+            if dtype == "float64":
+                v = x * prescale
+                return (v.astype(np.float16) if codec == "fp16" else bf16_bits_from_f64(v)).tobytes()
+            v = to_acc(x, dtype) * np.float32(prescale)
+            return (v.astype(np.float16) if codec == "fp16" else bf16_bits(v)).tobytes()
     if codec in ("onebit", "signsgd", "efsignsgd"):
         xv = to_acc(x, dtype)
         bits = xv < 0
