@@ -16,6 +16,8 @@ __attribute__((target("avx2,f16c"))) void f32_to_f16_avx2(const float* x, uint16
   const bool stream = stream_to(y, 2 * n);
   int64_t i = 0;
   for (; i + 32 <= n; i += 32) {
+    prefetch_ahead(x + i);
+    prefetch_ahead(x + i + 16);
     for (int u = 0; u < 4; u += 2) {
       __m128i a = _mm256_cvtps_ph(_mm256_mul_ps(_mm256_loadu_ps(x + i + 8 * u), vs),
                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -35,6 +37,7 @@ __attribute__((target("avx2,f16c"))) void f16_to_f32_avx2(const uint16_t* h, flo
   const bool stream = stream_to(y, 4 * n);
   int64_t i = 0;
   for (; i + 32 <= n; i += 32) {
+    prefetch_ahead(h + i);
     for (int u = 0; u < 4; ++u) {
       __m256 v = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i + 8 * u)));
       if (stream) _mm256_stream_ps(y + i + 8 * u, v);
@@ -59,6 +62,7 @@ __attribute__((target("avx2"))) void f32_to_bf16_avx2(const float* x, uint16_t* 
   const bool stream = stream_to(y, 2 * n);
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
+    prefetch_ahead(x + i);
     __m256 va = _mm256_mul_ps(_mm256_loadu_ps(x + i), vs);
     __m256 vb = _mm256_mul_ps(_mm256_loadu_ps(x + i + 8), vs);
     // packus works per 128-bit lane; the permute restores element order.

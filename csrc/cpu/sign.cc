@@ -64,7 +64,10 @@ __attribute__((target("avx2"))) double encode_f32_avx2(const float* x, int64_t n
   __m256d acc[4] = {_mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd(),
                     _mm256_setzero_pd()};
   int64_t i = 0;
-  for (; i + 64 <= n; i += 64) words[i / 64] = pack64_avx2(x + i, acc);
+  for (; i + 64 <= n; i += 64) {
+    for (int l = 0; l < 4; ++l) prefetch_ahead(x + i + 16 * l);
+    words[i / 64] = pack64_avx2(x + i, acc);
+  }
   double sum = hsum(acc);
   if (i < n) {
     uint64_t w = 0;
@@ -88,6 +91,10 @@ __attribute__((target("avx2"))) double ef_pass_f32_avx2(const float* x, float* e
   const __m256 pos = _mm256_set1_ps(s), neg = _mm256_set1_ps(-s);
   int64_t i = 0;
   for (; i + 64 <= n; i += 64) {
+    for (int l = 0; l < 4; ++l) {
+      prefetch_ahead(x + i + 16 * l);
+      prefetch_ahead(e + i + 16 * l);
+    }
     for (int u = 0; u < 8; ++u) {
       __m256 q = _mm256_loadu_ps(e + i + 8 * u);
       __m256 corr = _mm256_blendv_ps(pos, neg, _mm256_cmp_ps(q, zero, _CMP_LT_OQ));

@@ -32,6 +32,8 @@ __attribute__((target("avx2"))) void collect_f32_avx2(const float* x, int64_t n,
   const __m256i absmask = _mm256_set1_epi32(0x7fffffff);
   int64_t i = 0;
   for (; i + 32 <= n; i += 32) {
+    prefetch_ahead(x + i);
+    prefetch_ahead(x + i + 16);
     uint32_t m = 0;
     for (int u = 0; u < 4; ++u) {
       __m256i k = _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i + 8 * u)),
