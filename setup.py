@@ -1,7 +1,8 @@
-"""hvd_compress: gradient compression for Horovod (PyTorch now; TensorFlow next).
+"""hvd_compress: gradient compression for Horovod, on PyTorch and TensorFlow.
 
-The codec kernels in csrc/ are compiled into a torch extension when torch is installed; the
-framework-neutral core (hvd_compress/) installs and imports without any framework.
+The codec kernels in csrc/ are compiled into a torch extension when torch is installed and into
+a TensorFlow op library when TensorFlow is; the framework-neutral core (hvd_compress/) installs
+and imports without either.
 """
 import glob
 import os
@@ -29,7 +30,27 @@ def torch_extensions():
     return [ext], {"build_ext": BuildExtension.with_options(use_ninja=False)}
 
 
+def tensorflow_op_library():
+    """The TF custom-op library: the same kernel sources, built against the installed TF's
+    headers. It is loaded with tf.load_op_library, not imported."""
+    try:
+        import tensorflow as tf
+    except ImportError:
+        return []
+    from setuptools import Extension
+    lib_dir = tf.sysconfig.get_lib()
+    return [Extension(
+        "hvd_compress.tensorflow._ops",
+        KERNEL_SOURCES + ["csrc/tensorflow/ops.cc"],
+        include_dirs=[os.path.join(ROOT, "csrc", "include")],
+        extra_compile_args=CXX_FLAGS + tf.sysconfig.get_compile_flags(),
+        extra_link_args=tf.sysconfig.get_link_flags() + [f"-Wl,-rpath,{lib_dir}"],
+        language="c++",
+    )]
+
+
 ext_modules, cmdclass = torch_extensions()
+ext_modules += tensorflow_op_library()
 
 setup(
     name="hvd_compress",

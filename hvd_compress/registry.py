@@ -55,6 +55,8 @@ class CodecInfo:
     uses_seed: bool = False
     prescale_average: bool = False
     collective_note: str = ""
+    wire_dtype: str | None = None  # allreduce payload element type; None: the gradient's
+    ef_carry: int = 0  # floats of lazy error-feedback state beside the residual (sign codecs)
 
     @property
     def linear(self) -> bool:
@@ -119,7 +121,7 @@ register(CodecInfo(
     name="fp16", kernel_id=1, collective="allreduce", aggregation="mean", params=(),
     wire="float16[n], pre-divided by the world size (overflow guard)",
     doc="cast to IEEE half precision, round to nearest even",
-    bits_per_element=lambda isz: 16.0, prescale_average=True))
+    bits_per_element=lambda isz: 16.0, prescale_average=True, wire_dtype="float16"))
 register(CodecInfo(
     name="bf16", kernel_id=2, collective="allgather", aggregation="mean", params=(),
     wire="bfloat16[n]", doc="cast to bfloat16, round to nearest even",
@@ -130,18 +132,18 @@ register(CodecInfo(
     name="onebit", kernel_id=3, collective="allgather", aggregation="mean", params=(SCALING,),
     wire="[u32 tag][f32 scale][sign bits, 64 per u64 word]",
     doc="1 bit per element (x < 0), decoded to +-scale, scale = mean|x| (BytePS onebit)",
-    bits_per_element=_sign_bits))
+    bits_per_element=_sign_bits, ef_carry=1))
 register(CodecInfo(
     name="signsgd", kernel_id=4, collective="allgather", aggregation="majority",
     params=(SCALING,), wire="[u32 tag][f32 scale][sign bits, 64 per u64 word]",
     doc="signSGD with majority vote: sign of the summed signs, times the mean scale",
-    bits_per_element=_sign_bits))
+    bits_per_element=_sign_bits, ef_carry=1))
 register(CodecInfo(
     name="efsignsgd", kernel_id=5, collective="allgather", aggregation="mean", params=(),
     wire="[u32 tag][f32 scale][sign bits, 64 per u64 word]",
     doc="EF-signSGD (Karimireddy et al. 2019): p = g + e, sign(p) * |p|_1/n, e = p - decoded; "
         "error feedback fused into the kernel",
-    bits_per_element=_sign_bits, builtin_ef=True))
+    bits_per_element=_sign_bits, builtin_ef=True, ef_carry=1))
 register(CodecInfo(
     name="topk", kernel_id=6, collective="allgather", aggregation="mean", params=(K_PARAM,),
     wire="[u32 tag][u32 k][i32 indices, ascending][k values, gradient dtype]",

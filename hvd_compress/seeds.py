@@ -20,6 +20,11 @@ def fnv1a64(text: str) -> int:
     return h
 
 
+def seed_base(seed: int, name: str) -> int:
+    """The per-parameter part of derive_seed (csrc's step_seed adds the step)."""
+    return _mix64((seed ^ fnv1a64(name)) & _MASK)
+
+
 def derive_seed(seed: int, name: str, step: int) -> int:
     """64-bit kernel seed for one parameter at one step."""
-    return _mix64((_mix64((seed ^ fnv1a64(name)) & _MASK) + step * 0x9E3779B97F4A7C15) & _MASK)
+    return _mix64((seed_base(seed, name) + step * 0x9E3779B97F4A7C15) & _MASK)

@@ -19,6 +19,11 @@ class TensorAdapter(Protocol):
     def describe(self, t: Any) -> tuple[tuple[int, ...], str]: ...   # (shape, dtype name)
     def to_numpy(self, t: Any) -> np.ndarray: ...
     def from_numpy(self, a: np.ndarray, like: Any) -> Any: ...
+    # Step counters: a Python int for eager frontends, a variable where steps run in a graph.
+    def new_counter(self, value: int) -> Any: ...
+    def advance(self, counter: Any) -> Any: ...      # the count before this call, then +1
+    def counter_value(self, counter: Any) -> int: ...
+    def set_counter(self, counter: Any, value: int) -> None: ...
 
 
 class StateStore:
@@ -29,7 +34,8 @@ class StateStore:
         self._spec = spec
         self._slots: dict[str, dict[str, Any]] = {}
         self._pending: dict[str, dict[str, np.ndarray]] = {}
-        self._steps: dict[str, int] = {}
+        self._steps: dict[str, Any] = {}
+        self._pending_steps: dict[str, int] = {}
 
     def slot(self, name: str, kind: str, like: Any) -> Any:
         """The slot's tensor, created as zeros shaped like `like` on first use."""
@@ -57,11 +63,13 @@ class StateStore:
         """The live slot, or None when it does not exist (yet)."""
         return self._slots.get(name, {}).get(kind)
 
-    def next_step(self, name: str) -> int:
+    def next_step(self, name: str) -> Any:
         """This parameter's compression count so far, then counts one more."""
-        step = self._steps.get(name, 0)
-        self._steps[name] = step + 1
-        return step
+        counter = self._steps.get(name)
+        if counter is None:
+            counter = self._adapter.new_counter(self._pending_steps.pop(name, 0))
+            self._steps[name] = counter
+        return self._adapter.advance(counter)
 
     def names(self) -> list[str]:
         return sorted(set(self._slots) | set(self._steps))
@@ -76,8 +84,10 @@ class StateStore:
             for kind, t in kinds.items():
                 slots.setdefault(name, {})[kind] = self._adapter.to_numpy(t)
                 dtypes.setdefault(name, {})[kind] = self._adapter.describe(t)[1]
-        return {"format": FORMAT, "spec": self._spec, "steps": dict(self._steps),
-                "slots": slots, "dtypes": dtypes}
+        steps = dict(self._pending_steps)
+        steps.update({name: self._adapter.counter_value(c) for name, c in self._steps.items()})
+        return {"format": FORMAT, "spec": self._spec, "steps": steps, "slots": slots,
+                "dtypes": dtypes}
 
     def load_state_dict(self, state: dict, strict_spec: bool = True) -> None:
         if not isinstance(state, dict) or state.get("format") != FORMAT:
@@ -112,4 +122,7 @@ class StateStore:
                 else:
                     self._pending.setdefault(name, {})[kind] = arr
         self._slots = slots
-        self._steps = steps
+        self._pending_steps = {}
+        for name, counter in self._steps.items():
+            self._adapter.set_counter(counter, steps.pop(name, 0))
+        self._pending_steps = steps

@@ -162,6 +162,13 @@ bool cpu_has_avx2_f16c() {
   return has;
 }
 
+uint64_t step_seed(uint64_t base, int64_t step) {
+  uint64_t z = base + static_cast<uint64_t>(step) * 0x9e3779b97f4a7c15ull;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
 const char* cpu_isa() { return cpu_has_avx2_f16c() ? "avx2+f16c" : "scalar"; }
 
 }  // namespace hvdc

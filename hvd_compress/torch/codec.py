@@ -137,3 +137,16 @@ class TorchAdapter:
 
     def from_numpy(self, a: np.ndarray, like: torch.Tensor) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a)).to(dtype=like.dtype, device=like.device)
+
+    def new_counter(self, value: int) -> list:
+        return [value]
+
+    def advance(self, counter: list) -> int:
+        counter[0] += 1
+        return counter[0] - 1
+
+    def counter_value(self, counter: list) -> int:
+        return counter[0]
+
+    def set_counter(self, counter: list, value: int) -> None:
+        counter[0] = value

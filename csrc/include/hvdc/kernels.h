@@ -74,6 +74,10 @@ void ef_settle(CodecId codec, DType dtype, void* e, float* carry, int64_t n);
 // Worker-side Nesterov momentum, in place on x: m = mu * m + x; x = mu * m + x.
 void nesterov(DType dtype, void* x, void* m, int64_t n, double mu);
 
+// Per-step seed from a per-parameter base (hvd_compress.seeds.derive_seed, last step), so graph
+// frontends can advance a step counter tensor without leaving the graph.
+uint64_t step_seed(uint64_t base, int64_t step);
+
 // Which SIMD path the CPU kernels take on this machine ("avx2+f16c" or "scalar").
 const char* cpu_isa();
 

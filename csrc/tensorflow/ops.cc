@@ -1,0 +1,386 @@
+// TensorFlow custom ops over the framework-neutral kernels of csrc/cpu. The ops are functional
+// (state in, new state out), so they behave the same eagerly and inside tf.function, and the
+// frontend keeps state in tf.Variables.
+#include <cstring>
+#include <string>
+
+#include "hvdc/kernels.h"
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/shape_inference.h"
+
+namespace {
+
+using tensorflow::DataType;
+using tensorflow::OpKernel;
+using tensorflow::OpKernelConstruction;
+using tensorflow::OpKernelContext;
+using tensorflow::Tensor;
+using tensorflow::TensorShape;
+using tensorflow::shape_inference::InferenceContext;
+
+#define HVDC_TF_TRY(ctx, expr)                                                  \
+  try {                                                                         \
+    expr;                                                                       \
+  } catch (const std::exception& e) {                                           \
+    (ctx)->CtxFailure(__FILE__, __LINE__,                                       \
+                      tensorflow::errors::InvalidArgument(e.what()));           \
+    return;                                                                     \
+  }
+
+bool to_hvdc(DataType t, hvdc::DType* out) {
+  switch (t) {
+    case tensorflow::DT_FLOAT: *out = hvdc::kF32; return true;
+    case tensorflow::DT_HALF: *out = hvdc::kF16; return true;
+    case tensorflow::DT_BFLOAT16: *out = hvdc::kBF16; return true;
+    case tensorflow::DT_DOUBLE: *out = hvdc::kF64; return true;
+    default: return false;
+  }
+}
+
+// Attributes shared by the codec ops: which codec and its kernel parameters.
+class CodecOp : public OpKernel {
+ public:
+  explicit CodecOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    tensorflow::int64 k = 0, base = 0;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("codec", &codec_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("k", &k));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("seed_base", &base));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("scaling", &params_.scaling));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("rescale", &params_.rescale));
+    params_.k = k;
+    seed_base_ = static_cast<uint64_t>(base);
+  }
+
+ protected:
+  hvdc::CodecId codec() const { return static_cast<hvdc::CodecId>(codec_); }
+
+  // Kernel parameters for this call: the seed comes from the step counter tensor.
+  hvdc::Params params_for(OpKernelContext* ctx, int step_input, int prescale_input) const {
+    hvdc::Params p = params_;
+    if (step_input >= 0)
+      p.seed = hvdc::step_seed(seed_base_, ctx->input(step_input).scalar<tensorflow::int64>()());
+    if (prescale_input >= 0) p.prescale = ctx->input(prescale_input).scalar<double>()();
+    return p;
+  }
+
+  bool dtype(OpKernelContext* ctx, const Tensor& t, hvdc::DType* d) {
+    if (to_hvdc(t.dtype(), d)) return true;
+    ctx->CtxFailure(__FILE__, __LINE__,
+                    tensorflow::errors::InvalidArgument(
+                        "gradient dtype ", tensorflow::DataTypeString(t.dtype()),
+                        " is not supported; valid: float32, float16, bfloat16, float64"));
+    return false;
+  }
+
+  // Allocates the payload output: payload_bytes of the codec, as elements of its dtype.
+  bool payload_output(OpKernelContext* ctx, int index, hvdc::DType d, int64_t n,
+                      const hvdc::Params& p, Tensor** out) {
+    int64_t bytes = 0;
+    try {
+      bytes = hvdc::payload_bytes(codec(), d, n, p);
+    } catch (const std::exception& e) {
+      ctx->CtxFailure(__FILE__, __LINE__, tensorflow::errors::InvalidArgument(e.what()));
+      return false;
+    }
+    const int64_t item = tensorflow::DataTypeSize(ctx->expected_output_dtype(index));
+    if (bytes % item != 0) {
+      ctx->CtxFailure(__FILE__, __LINE__,
+                      tensorflow::errors::InvalidArgument("payload of ", bytes,
+                                                          " bytes is not a whole number of ",
+                                                          item, "-byte elements"));
+      return false;
+    }
+    auto status = ctx->allocate_output(index, TensorShape({bytes / item}), out);
+    if (!status.ok()) {
+      ctx->CtxFailure(__FILE__, __LINE__, status);
+      return false;
+    }
+    return true;
+  }
+
+  int codec_ = 0;
+  hvdc::Params params_;
+  uint64_t seed_base_ = 0;
+};
+
+class EncodeOp : public CodecOp {
+ public:
+  using CodecOp::CodecOp;
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& x = ctx->input(0);
+    hvdc::DType d;
+    if (!dtype(ctx, x, &d)) return;
+    const hvdc::Params p = params_for(ctx, 1, 2);
+    Tensor* payload = nullptr;
+    if (!payload_output(ctx, 0, d, x.NumElements(), p, &payload)) return;
+    HVDC_TF_TRY(ctx, hvdc::encode(codec(), d, x.data(), x.NumElements(), p, payload->data()));
+  }
+};
+
+class DecodeOp : public CodecOp {
+ public:
+  explicit DecodeOp(OpKernelConstruction* ctx) : CodecOp(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("n", &n_));
+  }
+  void Compute(OpKernelContext* ctx) override {
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({n_}), &out));
+    hvdc::DType d;
+    if (!dtype(ctx, *out, &d)) return;
+    const hvdc::Params p = params_for(ctx, 1, -1);
+    const Tensor& payload = ctx->input(0);
+    const double alpha = ctx->input(2).scalar<double>()();
+    HVDC_TF_TRY(ctx, {
+      const int64_t want = hvdc::payload_bytes(codec(), d, n_, p);
+      if (static_cast<int64_t>(payload.TotalBytes()) != want)
+        throw hvdc::KernelError("payload has " + std::to_string(payload.TotalBytes()) +
+                                " bytes, the codec needs " + std::to_string(want));
+      hvdc::decode(codec(), d, payload.data(), n_, p, out->data(), alpha, false);
+    });
+  }
+
+ private:
+  tensorflow::int64 n_ = 0;
+};
+
+class AggregateOp : public CodecOp {
+ public:
+  explicit AggregateOp(OpKernelConstruction* ctx) : CodecOp(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("n", &n_));
+  }
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& gathered = ctx->input(0);
+    OP_REQUIRES(ctx, gathered.dims() == 2,
+                tensorflow::errors::InvalidArgument("gathered payloads must be [ranks, bytes]"));
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({n_}), &out));
+    hvdc::DType d;
+    if (!dtype(ctx, *out, &d)) return;
+    const double alpha = ctx->input(1).scalar<double>()();
+    HVDC_TF_TRY(ctx, {
+      const int64_t want = hvdc::payload_bytes(codec(), d, n_, params_);
+      if (gathered.dim_size(1) != want)
+        throw hvdc::KernelError("gathered payloads are " + std::to_string(gathered.dim_size(1)) +
+                                " bytes per rank, the codec needs " + std::to_string(want) +
+                                ": ranks disagree on the tensor size or the codec parameters");
+      hvdc::aggregate(codec(), d, gathered.data(), gathered.dim_size(0), gathered.dim_size(1), n_,
+                      params_, out->data(), alpha);
+    });
+  }
+
+ private:
+  tensorflow::int64 n_ = 0;
+};
+
+// Copies `in` into a new output tensor, for the functional state updates below.
+bool copy_to_output(OpKernelContext* ctx, int index, const Tensor& in, Tensor** out) {
+  auto status = ctx->allocate_output(index, in.shape(), out);
+  if (!status.ok()) {
+    ctx->CtxFailure(__FILE__, __LINE__, status);
+    return false;
+  }
+  std::memcpy((*out)->data(), in.data(), in.TotalBytes());
+  return true;
+}
+
+class EfEncodeOp : public CodecOp {
+ public:
+  using CodecOp::CodecOp;
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& x = ctx->input(0);
+    const Tensor& e = ctx->input(1);
+    const Tensor& carry = ctx->input(2);
+    hvdc::DType d;
+    if (!dtype(ctx, x, &d)) return;
+    OP_REQUIRES(ctx, e.dtype() == x.dtype() && e.NumElements() == x.NumElements(),
+                tensorflow::errors::InvalidArgument(
+                    "error-feedback residual must match the gradient"));
+    const hvdc::Params p = params_for(ctx, 3, 4);
+    Tensor *payload = nullptr, *e_out = nullptr, *carry_out = nullptr;
+    if (!payload_output(ctx, 0, d, x.NumElements(), p, &payload)) return;
+    if (!copy_to_output(ctx, 1, e, &e_out) || !copy_to_output(ctx, 2, carry, &carry_out)) return;
+    HVDC_TF_TRY(ctx, {
+      if (carry.NumElements() != hvdc::ef_carry_size(codec()))
+        throw hvdc::KernelError("error-feedback carry must hold " +
+                                std::to_string(hvdc::ef_carry_size(codec())) + " element(s)");
+      hvdc::ef_encode(codec(), d, x.data(), e_out->data(),
+                      carry.NumElements() ? carry_out->flat<float>().data() : nullptr,
+                      x.NumElements(), p, payload->data());
+    });
+  }
+};
+
+class EfSettleOp : public OpKernel {
+ public:
+  explicit EfSettleOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("codec", &codec_));
+  }
+  void Compute(OpKernelContext* ctx) override {
+    Tensor *e_out = nullptr, *carry_out = nullptr;
+    if (!copy_to_output(ctx, 0, ctx->input(0), &e_out) ||
+        !copy_to_output(ctx, 1, ctx->input(1), &carry_out))
+      return;
+    hvdc::DType d;
+    OP_REQUIRES(ctx, to_hvdc(e_out->dtype(), &d),
+                tensorflow::errors::InvalidArgument("unsupported residual dtype"));
+    const auto c = static_cast<hvdc::CodecId>(codec_);
+    HVDC_TF_TRY(ctx, hvdc::ef_settle(c, d, e_out->data(),
+                                     carry_out->NumElements() ? carry_out->flat<float>().data()
+                                                              : nullptr,
+                                     e_out->NumElements()));
+  }
+
+ private:
+  int codec_ = 0;
+};
+
+class NesterovOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+  void Compute(OpKernelContext* ctx) override {
+    Tensor *x_out = nullptr, *m_out = nullptr;
+    OP_REQUIRES(ctx, ctx->input(0).shape() == ctx->input(1).shape(),
+                tensorflow::errors::InvalidArgument("momentum buffer must match the gradient"));
+    if (!copy_to_output(ctx, 0, ctx->input(0), &x_out) ||
+        !copy_to_output(ctx, 1, ctx->input(1), &m_out))
+      return;
+    hvdc::DType d;
+    OP_REQUIRES(ctx, to_hvdc(x_out->dtype(), &d),
+                tensorflow::errors::InvalidArgument("unsupported gradient dtype"));
+    const double mu = ctx->input(2).scalar<double>()();
+    HVDC_TF_TRY(ctx, hvdc::nesterov(d, x_out->data(), m_out->data(), x_out->NumElements(), mu));
+  }
+};
+
+// Payload length from the kernels' own payload_bytes, so graphs see static payload shapes
+// (Horovod's allgather and the stats need them).
+tensorflow::Status payload_shape(InferenceContext* c) {
+  int codec = 0;
+  tensorflow::int64 k = 0;
+  DataType t, w;
+  bool scaling = true, rescale = false;
+  TF_RETURN_IF_ERROR(c->GetAttr("codec", &codec));
+  TF_RETURN_IF_ERROR(c->GetAttr("k", &k));
+  TF_RETURN_IF_ERROR(c->GetAttr("T", &t));
+  TF_RETURN_IF_ERROR(c->GetAttr("W", &w));
+  TF_RETURN_IF_ERROR(c->GetAttr("scaling", &scaling));
+  TF_RETURN_IF_ERROR(c->GetAttr("rescale", &rescale));
+  auto x = c->input(0);
+  hvdc::DType d;
+  if (!c->FullyDefined(x) || !to_hvdc(t, &d)) {
+    c->set_output(0, c->Vector(InferenceContext::kUnknownDim));
+    return tensorflow::OkStatus();
+  }
+  int64_t n = 1;
+  for (int i = 0; i < c->Rank(x); ++i) n *= c->Value(c->Dim(x, i));
+  hvdc::Params p;
+  p.k = k;
+  p.scaling = scaling;
+  p.rescale = rescale;
+  try {
+    const int64_t bytes = hvdc::payload_bytes(static_cast<hvdc::CodecId>(codec), d, n, p);
+    c->set_output(0, c->Vector(bytes / tensorflow::DataTypeSize(w)));
+  } catch (const std::exception& e) {
+    return tensorflow::errors::InvalidArgument(e.what());
+  }
+  return tensorflow::OkStatus();
+}
+
+tensorflow::Status vector_n(InferenceContext* c) {
+  tensorflow::int64 n;
+  TF_RETURN_IF_ERROR(c->GetAttr("n", &n));
+  c->set_output(0, c->Vector(n));
+  return tensorflow::OkStatus();
+}
+
+}  // namespace
+
+#define HVDC_CODEC_ATTRS                                      \
+  Attr("codec: int")                                          \
+      .Attr("k: int = 0")                                     \
+      .Attr("seed_base: int = 0")                             \
+      .Attr("scaling: bool = true")                           \
+      .Attr("rescale: bool = false")
+
+REGISTER_OP("HvdcEncode")
+    .Input("x: T")
+    .Input("step: int64")
+    .Input("prescale: float64")
+    .Output("payload: W")
+    .Attr("T: {float, half, bfloat16, double}")
+    .Attr("W: {float, half, bfloat16, double, uint8}")
+    .HVDC_CODEC_ATTRS
+    .SetShapeFn(payload_shape);
+
+REGISTER_OP("HvdcDecode")
+    .Input("payload: W")
+    .Input("step: int64")
+    .Input("alpha: float64")
+    .Output("out: T")
+    .Attr("T: {float, half, bfloat16, double}")
+    .Attr("W: {float, half, bfloat16, double, uint8}")
+    .Attr("n: int")
+    .HVDC_CODEC_ATTRS
+    .SetShapeFn(vector_n);
+
+REGISTER_OP("HvdcAggregate")
+    .Input("gathered: uint8")
+    .Input("alpha: float64")
+    .Output("out: T")
+    .Attr("T: {float, half, bfloat16, double}")
+    .Attr("n: int")
+    .HVDC_CODEC_ATTRS
+    .SetShapeFn(vector_n);
+
+REGISTER_OP("HvdcEfEncode")
+    .Input("x: T")
+    .Input("e: T")
+    .Input("carry: float")
+    .Input("step: int64")
+    .Input("prescale: float64")
+    .Output("payload: W")
+    .Output("e_out: T")
+    .Output("carry_out: float")
+    .Attr("T: {float, half, bfloat16, double}")
+    .Attr("W: {float, half, bfloat16, double, uint8}")
+    .HVDC_CODEC_ATTRS
+    .SetShapeFn([](InferenceContext* c) {
+      TF_RETURN_IF_ERROR(payload_shape(c));
+      c->set_output(1, c->input(1));
+      c->set_output(2, c->input(2));
+      return tensorflow::OkStatus();
+    });
+
+REGISTER_OP("HvdcEfSettle")
+    .Input("e: T")
+    .Input("carry: float")
+    .Output("e_out: T")
+    .Output("carry_out: float")
+    .Attr("T: {float, half, bfloat16, double}")
+    .Attr("codec: int")
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->input(0));
+      c->set_output(1, c->input(1));
+      return tensorflow::OkStatus();
+    });
+
+REGISTER_OP("HvdcNesterov")
+    .Input("x: T")
+    .Input("m: T")
+    .Input("mu: float64")
+    .Output("x_out: T")
+    .Output("m_out: T")
+    .Attr("T: {float, half, bfloat16, double}")
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->input(0));
+      c->set_output(1, c->input(1));
+      return tensorflow::OkStatus();
+    });
+
+REGISTER_KERNEL_BUILDER(Name("HvdcEncode").Device(tensorflow::DEVICE_CPU), EncodeOp);
+REGISTER_KERNEL_BUILDER(Name("HvdcDecode").Device(tensorflow::DEVICE_CPU), DecodeOp);
+REGISTER_KERNEL_BUILDER(Name("HvdcAggregate").Device(tensorflow::DEVICE_CPU), AggregateOp);
+REGISTER_KERNEL_BUILDER(Name("HvdcEfEncode").Device(tensorflow::DEVICE_CPU), EfEncodeOp);
+REGISTER_KERNEL_BUILDER(Name("HvdcEfSettle").Device(tensorflow::DEVICE_CPU), EfSettleOp);
+REGISTER_KERNEL_BUILDER(Name("HvdcNesterov").Device(tensorflow::DEVICE_CPU), NesterovOp);

@@ -1,0 +1,51 @@
+"""TensorFlow 2 frontend: the csrc kernels as TF ops, Horovod-protocol compressors, and a
+DistributedGradientTape that routes each codec to allreduce or allgather. Keras users:
+hvd_compress.tensorflow.keras."""
+from __future__ import annotations
+
+from typing import Any
+
+import horovod.tensorflow as hvd
+import tensorflow as tf
+
+from .compression import Compression, Compressor
+from .reducer import DEFAULT_MIN_COMPRESS_BYTES, Reducer, reducer_for
+
+__all__ = ["Compression", "Compressor", "DistributedGradientTape", "Reducer", "reducer_for"]
+
+
+class _CompressedTape(tf.GradientTape):
+    """Methods copied into a class made from the user's tape class, as Horovod does."""
+
+    def __init__(self, tape, persistent, watch_accessed_variables, reducer):
+        super(self.__class__, self).__init__(persistent, watch_accessed_variables)
+        self._tape = tape
+        self._hvdc = reducer
+
+    def gradient(self, target, sources, output_gradients=None, **kwargs):
+        grads = super(self.__class__, self).gradient(target, sources, output_gradients, **kwargs)
+        flat_sources = tf.nest.flatten(sources)
+        reduced = self._hvdc.reduce(tf.nest.flatten(grads), flat_sources)
+        return tf.nest.pack_sequence_as(grads, reduced)
+
+    def compression_state_dict(self) -> dict:
+        return self._hvdc.state_dict()
+
+    def load_compression_state_dict(self, state: dict, strict_spec: bool = True) -> None:
+        self._hvdc.load_state_dict(state, strict_spec=strict_spec)
+
+    @property
+    def compression_stats(self):
+        return self._hvdc.stats
+
+
+def DistributedGradientTape(gradtape, compression: Any = "none", op=hvd.Average,
+                            min_compress_bytes: int = DEFAULT_MIN_COMPRESS_BYTES,
+                            process_set=hvd.global_process_set):
+    """Wrap a tf.GradientTape like `horovod.tensorflow.DistributedGradientTape`, compressing
+    gradients. Error-feedback, momentum and step state is kept per variable name and shared by
+    every tape built with the same arguments, so a new tape each step carries it over."""
+    reducer = reducer_for(compression, min_compress_bytes, op, process_set)
+    cls = type(gradtape.__class__.__name__, (gradtape.__class__,),
+               dict(_CompressedTape.__dict__))
+    return cls(gradtape._tape, gradtape._persistent, gradtape._watch_accessed_variables, reducer)

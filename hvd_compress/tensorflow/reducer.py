@@ -1,0 +1,127 @@
+"""The per-gradient reduction shared by DistributedGradientTape and the Keras optimizer:
+compress -> allreduce or allgather -> decode or aggregate, state keyed by variable name."""
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import horovod.tensorflow as hvd
+import tensorflow as tf
+
+from ..spec import CompressionConfig, parse_spec
+from ..state import StateStore
+from ..stats import CompressionStats
+from .codec import DTYPE_NAMES, TFAdapter, TFCodec
+from .compression import Compressor
+
+DEFAULT_MIN_COMPRESS_BYTES = 65536
+_OP_NAME = re.compile(r"[^A-Za-z0-9_.\-/]")
+
+
+def parameter_name(var) -> str:
+    """A variable's name without the ':0' output suffix ("dense/kernel:0" -> "dense/kernel")."""
+    name = var.name
+    return name[:-2] if name.endswith(":0") else name
+
+
+def to_config(compression: Any) -> CompressionConfig:
+    if isinstance(compression, Compressor):
+        return compression.config
+    if compression is hvd.Compression.none:
+        return parse_spec("none")
+    if compression is hvd.Compression.fp16:
+        return parse_spec("fp16")
+    return parse_spec(compression)
+
+
+class Reducer:
+    def __init__(self, config: CompressionConfig, min_compress_bytes: int, op, process_set):
+        if op not in (hvd.Average, hvd.Sum):
+            raise ValueError(f"op={op} is not supported with compression; valid: hvd.Average, "
+                             f"hvd.Sum")
+        if not isinstance(min_compress_bytes, int) or min_compress_bytes < 0:
+            raise ValueError(f"min_compress_bytes must be an integer >= 0, got "
+                             f"{min_compress_bytes!r}")
+        self.config = config
+        self.min_bytes = min_compress_bytes
+        self.op = op
+        self.process_set = process_set
+        self.store = StateStore(TFAdapter(), spec=config.canonical())
+        self.codec = TFCodec(config, self.store)
+        self.stats = CompressionStats()
+        self.enabled = tf.Variable(True, trainable=False, name="hvdc_compression_enabled")
+
+    def reduce(self, grads, variables):
+        out = [self._reduce_one(g, v) for g, v in zip(grads, variables)]
+        return out
+
+    def _plain(self, grad, opname):
+        return hvd.allreduce(grad, op=self.op, name=opname, process_set=self.process_set)
+
+    def _reduce_one(self, grad, var):
+        if grad is None:
+            return None
+        name = parameter_name(var)
+        opname = "hvdc." + _OP_NAME.sub("_", name)
+        nbytes = (grad.shape.num_elements() or 0) * grad.dtype.size
+        if (isinstance(grad, tf.IndexedSlices) or self.config.codec == "none"
+                or grad.dtype not in DTYPE_NAMES or grad.shape.num_elements() is None
+                or nbytes < self.min_bytes):
+            if not isinstance(grad, tf.IndexedSlices):
+                self.stats.record(name, "none", nbytes, nbytes)
+            return self._plain(grad, opname)
+
+        def compressed():
+            info = self.codec.info
+            world = self.process_set.size()
+            average = self.op == hvd.Average
+            prescale = 1.0 / world if (average and info.prescale_average) else 1.0
+            alpha = 1.0 / world if (average and prescale == 1.0) else 1.0
+            enc = self.codec.encode(name, grad, prescale=prescale)
+            sent = enc.payload.shape.num_elements() * enc.payload.dtype.size
+            self.stats.record(name, info.name, nbytes, sent)
+            if info.linear:
+                reduced = hvd.allreduce(enc.payload, op=hvd.Sum, name=opname,
+                                        process_set=self.process_set)
+                return self.codec.decode(reduced, enc, alpha)
+            gathered = hvd.allgather(enc.payload, name=opname, process_set=self.process_set)
+            return self.codec.aggregate(gathered, enc, alpha)
+
+        # CompressionScheduleCallback flips `enabled`; every rank takes the same branch.
+        return tf.cond(self.enabled, compressed, lambda: self._plain(grad, opname + ".plain"))
+
+    def state_dict(self) -> dict:
+        self.codec.settle()
+        return self.store.state_dict()
+
+    def load_state_dict(self, state: dict, strict_spec: bool = True) -> None:
+        self.store.load_state_dict(state, strict_spec=strict_spec)
+
+
+_reducers: dict[tuple, Reducer] = {}
+
+
+def reducer_for(compression: Any, min_compress_bytes: int, op, process_set) -> Reducer:
+    """One reducer, and so one state store, per configuration: a tape built anew every step
+    finds the state of the steps before."""
+    config = to_config(compression)
+    key = (config, min_compress_bytes, op, process_set.process_set_id)
+    if key not in _reducers:
+        _reducers[key] = Reducer(config, min_compress_bytes, op, process_set)
+        if tf.executing_eagerly() and process_set.included() and process_set.size() > 1:
+            check_ranks_agree(config, min_compress_bytes, process_set)
+    return _reducers[key]
+
+
+def check_ranks_agree(config: CompressionConfig, min_bytes: int, process_set) -> None:
+    mine = f"{config.canonical()};min_compress_bytes={min_bytes}".encode()
+    blob = hvd.allgather(tf.constant(list(mine), dtype=tf.uint8), name="hvdc.spec_check",
+                         process_set=process_set)
+    sizes = hvd.allgather(tf.constant([len(mine)], tf.int64), name="hvdc.spec_check.sizes",
+                          process_set=process_set)
+    theirs = [bytes(b.numpy().tolist()).decode()
+              for b in tf.split(blob, sizes.numpy().tolist())]
+    if len(set(theirs)) > 1:
+        detail = "; ".join(f"rank {r}: {s}" for r, s in enumerate(theirs))
+        raise ValueError(f"ranks disagree on the compression spec ({detail}); every rank must "
+                         f"pass the same compression and min_compress_bytes")
