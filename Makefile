@@ -25,9 +25,13 @@ $(STAMP): $(SOURCES)
 
 test: $(STAMP) test-parallel test-unit
 
+# torch and TensorFlow suites run as separate jobs: Horovod's torch and TF libraries each keep
+# their own global state and must not be loaded side by side in one process.
 test-parallel: $(STAMP)
-	$(LIMIT) $(HVDRUN) $(PY) $(PYTEST) tests/parallel
-	$(LIMIT) $(MPIRUN) $(PY) $(PYTEST) tests/parallel
+	$(LIMIT) $(HVDRUN) $(PY) $(PYTEST) tests/parallel/test_torch_parallel.py
+	$(LIMIT) $(MPIRUN) $(PY) $(PYTEST) tests/parallel/test_torch_parallel.py
+	$(LIMIT) $(HVDRUN) $(PY) $(PYTEST) tests/parallel/test_tf_parallel.py
+	$(LIMIT) $(MPIRUN) $(PY) $(PYTEST) tests/parallel/test_tf_parallel.py
 
 # Kernels run twice: on the AVX2 paths and on the portable scalar paths.
 test-unit: $(STAMP)

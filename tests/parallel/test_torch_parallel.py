@@ -15,6 +15,7 @@ import torch
 
 import numpy_ref as ref
 from helpers import TORCH_DTYPES, n2t, random_grad, same_bits, t2n
+from simulation import Simulation, grads_for_step, rank_sum
 import hvd_compress as hc
 import hvd_compress.torch as hvdc
 from hvd_compress.torch import Compression
@@ -44,70 +45,14 @@ def reduce_step(p, opt, g):
     return out
 
 
-class Simulation:
-    """Both ranks' codec pipelines in numpy, then the collective the codec uses."""
-
-    def __init__(self, spec, n, dtype):
-        self.cfg = hc.parse_spec(spec)
-        self.n, self.dtype = n, dtype
-        self.k = self.cfg.info.kept(self.cfg.param_dict, n)
-        self.e = [ref.zeros(n, dtype) for _ in range(WORLD)]
-        self.m = [ref.zeros(n, dtype) for _ in range(WORLD)]
-        self.step = 0
-
-    def __call__(self, grads):
-        cfg, dtype, n = self.cfg, self.dtype, self.n
-        seed = hc.derive_seed(cfg.seed, "w", self.step) if cfg.info.uses_seed else 0
-        self.step += 1
-        if cfg.codec == "none":  # Horovod's own Average: sum, then times 1/size
-            acc = rank_sum([ref.to_acc(g, dtype) for g in grads])
-            return ref.from_acc(acc * ref.acc_type(dtype)(1.0 / WORLD), dtype)
-        prescale = 1.0 / WORLD if cfg.info.prescale_average else 1.0
-        scaling = cfg.param_dict.get("scaling", True)
-        payloads = []
-        for r, g in enumerate(grads):
-            x = g
-            if cfg.momentum == "nesterov":
-                x, self.m[r] = ref.nesterov(x, self.m[r], cfg.mu, dtype)
-            if cfg.ef == "vanilla":
-                pl, self.e[r] = ref.ef_encode(cfg.codec, x, self.e[r], dtype, prescale=prescale,
-                                              k=self.k, seed=seed, scaling=scaling)
-            else:
-                pl = ref.encode(cfg.codec, x, dtype, k=self.k, seed=seed, scaling=scaling,
-                                prescale=prescale)
-            payloads.append(pl)
-        if cfg.codec == "fp16":  # half sum of pre-divided halves
-            hs = [np.frombuffer(pl, np.float16).astype(np.float32) for pl in payloads]
-            summed = rank_sum(hs).astype(np.float16).tobytes()
-            return ref.decode("fp16", summed, n, dtype, 1.0)
-        if cfg.codec == "randomk":
-            vals = [ref.to_acc(np.frombuffer(pl, ref._np_dtype(dtype)), dtype) for pl in payloads]
-            summed = ref.from_acc(rank_sum(vals), dtype).tobytes()
-            return ref.decode("randomk", summed, n, dtype, 1.0 / WORLD, k=self.k, seed=seed)
-        return ref.aggregate(cfg.codec, payloads, n, dtype, 1.0 / WORLD, k=self.k)
-
-
-def rank_sum(arrays):
-    """Rank 0 + rank 1 + ..., as the collective adds (Python's sum() starts at +0, which would
-    turn -0.0 into +0.0)."""
-    total = arrays[0]
-    for a in arrays[1:]:
-        total = total + a
-    return total
-
-
-def grads_for_step(n, dtype, step):
-    return [t2n(random_grad(n, dtype, seed=1000 * step + r)) for r in range(WORLD)]
-
-
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("codec", CODECS)
 def test_aggregate_equals_simulation(codec, dtype):
     n = 6007
     p, opt = single_param_optimizer(codec, n, TORCH_DTYPES[dtype])
-    sim = Simulation(codec, n, dtype)
+    sim = Simulation(codec, n, dtype, WORLD)
     for step in range(3):
-        grads = grads_for_step(n, dtype, step)
+        grads = grads_for_step(n, dtype, step, WORLD)
         got = reduce_step(p, opt, n2t(grads[RANK], dtype))
         assert same_bits(t2n(got), sim(grads)), f"step {step}"
 
@@ -118,9 +63,9 @@ def test_aggregate_equals_simulation(codec, dtype):
 def test_error_feedback_and_momentum_equal_simulation(spec):
     n = 4099
     p, opt = single_param_optimizer(spec, n)
-    sim = Simulation(spec, n, "float32")
+    sim = Simulation(spec, n, "float32", WORLD)
     for step in range(4):
-        grads = grads_for_step(n, "float32", step)
+        grads = grads_for_step(n, "float32", step, WORLD)
         got = reduce_step(p, opt, n2t(grads[RANK], "float32"))
         assert same_bits(t2n(got), sim(grads)), f"step {step}"
 
@@ -129,8 +74,8 @@ def test_float16_gradients():
     n = 3000
     for codec in ["onebit", "topk", "fp16"]:
         p, opt = single_param_optimizer(codec, n, torch.float16)
-        sim = Simulation(codec, n, "float16")
-        grads = grads_for_step(n, "float16", 0)
+        sim = Simulation(codec, n, "float16", WORLD)
+        grads = grads_for_step(n, "float16", 0, WORLD)
         got = reduce_step(p, opt, n2t(grads[RANK], "float16"))
         assert same_bits(t2n(got), sim(grads)), codec
 
@@ -232,9 +177,9 @@ def test_gradient_clipping_with_synchronize_and_skip_synchronize():
 def test_backward_passes_per_step_accumulates_before_compressing():
     n = 2000
     p, opt = single_param_optimizer("topk,k=0.05", n, backward_passes_per_step=2)
-    sim = Simulation("topk,k=0.05", n, "float32")
-    a = grads_for_step(n, "float32", 0)
-    b = grads_for_step(n, "float32", 1)
+    sim = Simulation("topk,k=0.05", n, "float32", WORLD)
+    a = grads_for_step(n, "float32", 0, WORLD)
+    b = grads_for_step(n, "float32", 1, WORLD)
     opt.zero_grad()
     (p * n2t(a[RANK], "float32")).sum().backward()
     (p * n2t(b[RANK], "float32")).sum().backward()
@@ -282,7 +227,7 @@ def test_stock_optimizer_with_linear_codecs_equals_simulation(codec):
     p = torch.nn.Parameter(torch.zeros(n))
     opt = hvd.DistributedOptimizer(torch.optim.SGD([p], lr=0.0), named_parameters=[("w", p)],
                                    compression=getattr(Compression, codec))
-    grads = grads_for_step(n, "float32", 0)
+    grads = grads_for_step(n, "float32", 0, WORLD)
     opt.zero_grad()
     (p * n2t(grads[RANK], "float32")).sum().backward()
     opt.synchronize()

@@ -1,0 +1,153 @@
+"""Two-rank TensorFlow tests, run under both `mpirun -np 2` and `horovodrun --gloo -np 2`
+(in their own process: Horovod's torch and TF libraries are not initialised side by side).
+
+The aggregates are compared bit for bit with the same numpy simulation the torch tests use, so
+TF and PyTorch deliver identical gradients for the same inputs."""
+from __future__ import annotations
+
+import os
+
+import horovod.tensorflow as hvd
+import horovod.tensorflow.keras as hvd_keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from helpers import same_bits
+from simulation import Simulation, grads_for_step
+import hvd_compress.tensorflow as hvdt
+import hvd_compress.tensorflow.keras as hvdk
+from hvd_compress.tensorflow import Compression
+
+hvd.init()
+WORLD, RANK = hvd.size(), hvd.rank()
+pytestmark = pytest.mark.skipif(WORLD != 2, reason="run under mpirun/horovodrun with 2 ranks")
+TF_DTYPES = {"float32": tf.float32, "float64": tf.float64}
+CODECS = ["none", "fp16", "bf16", "onebit", "signsgd", "efsignsgd", "topk", "randomk"]
+
+
+def tape_step(var, g, spec, graph):
+    def run(g):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(var * g)
+        tape = hvdt.DistributedGradientTape(tape, compression=spec, min_compress_bytes=0)
+        return tape.gradient(loss, [var])[0]
+    return (tf.function(run) if graph else run)(g)
+
+
+@pytest.mark.parametrize("graph", [False, True])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("codec", CODECS)
+def test_tape_aggregate_equals_simulation(codec, dtype, graph):
+    n = 6007
+    name = f"w_{codec}_{dtype}_{graph}"
+    var = tf.Variable(tf.zeros([n], TF_DTYPES[dtype]), name=name)
+    sim = Simulation(codec, n, dtype, WORLD, name=name)
+    fn = None
+    for step in range(3):
+        grads = grads_for_step(n, dtype, step, WORLD)
+        g = tf.constant(grads[RANK])
+        if graph:
+            fn = fn or tf.function(lambda g: tape_step(var, g, codec, graph=False))
+            got = fn(g)
+        else:
+            got = tape_step(var, g, codec, graph=False)
+        assert same_bits(np.asarray(got.numpy()), sim(grads)), f"step {step}"
+
+
+@pytest.mark.parametrize("spec", ["topk,k=0.02,ef=vanilla", "onebit,ef=vanilla,momentum=nesterov",
+                                  "randomk,k=0.1,ef=vanilla,seed=11", "efsignsgd"])
+def test_tape_error_feedback_and_momentum_equal_simulation(spec):
+    n = 4099
+    var = tf.Variable(tf.zeros([n]), name="w")  # same name as the torch test: same seeds
+    sim = Simulation(spec, n, "float32", WORLD)
+    fn = tf.function(lambda g: tape_step(var, g, spec, graph=False))
+    for step in range(4):
+        grads = grads_for_step(n, "float32", step, WORLD)
+        assert same_bits(fn(tf.constant(grads[RANK])).numpy(), sim(grads)), f"step {step}"
+
+
+def digits_data():
+    from sklearn.datasets import load_digits
+    d = load_digits()
+    x = (d.data / 16.0).astype("float32")
+    y = d.target.astype("int64")
+    order = np.random.RandomState(0).permutation(len(x))
+    x, y = x[order], y[order]
+    return (x[:1400][RANK::WORLD], y[:1400][RANK::WORLD]), (x[1400:], y[1400:])
+
+
+def fit(spec, epochs=8, callbacks=(), start_epoch=0):
+    tf.keras.utils.set_random_seed(1234)
+    (xt, yt), (xv, yv) = digits_data()
+    model = tf.keras.Sequential([tf.keras.layers.Dense(128, activation="relu", input_shape=(64,)),
+                                 tf.keras.layers.Dense(128, activation="relu"),
+                                 tf.keras.layers.Dense(10)])
+    opt = hvdk.DistributedOptimizer(tf.keras.optimizers.SGD(0.05), compression=spec,
+                                    min_compress_bytes=0)
+    model.compile(optimizer=opt,
+                  loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    cbs = [hvd_keras.callbacks.BroadcastGlobalVariablesCallback(0),
+           hvd_keras.callbacks.MetricAverageCallback(),
+           hvdk.CompressionScheduleCallback(start_epoch=start_epoch), hvdk.CompressionStatsCallback(),
+           *callbacks]
+    history = model.fit(xt, yt, batch_size=32, epochs=epochs, callbacks=cbs, verbose=0,
+                        shuffle=False)
+    loss, _ = model.evaluate(xv, yv, verbose=0)
+    return model, opt, history, loss
+
+
+_baseline = {}
+
+
+@pytest.mark.parametrize("spec", ["fp16", "bf16", "efsignsgd", "onebit,ef=vanilla",
+                                  "signsgd,ef=vanilla", "topk,k=0.05,ef=vanilla",
+                                  "randomk,k=0.05,ef=vanilla"])
+def test_keras_fit_reaches_uncompressed_loss(spec):
+    if "none" not in _baseline:
+        _baseline["none"] = fit("none")[3]
+    model, opt, history, loss = fit(spec, start_epoch=1)
+    assert loss <= 1.10 * _baseline["none"], (spec, loss, _baseline["none"])
+    flat = tf.concat([tf.reshape(w, [-1]) for w in model.trainable_weights], 0)
+    gathered = hvd.allgather(tf.expand_dims(flat, 0), name="weights_check")
+    assert np.array_equal(gathered[0].numpy(), gathered[1].numpy()), "ranks diverged"
+    ratios = history.history["compression_ratio"]
+    assert ratios[0] == 1.0 and ratios[-1] > 1.5  # plain for epoch 0, compressed after
+
+
+def test_keras_compression_checkpoint_saves_and_restores(tmp_path_factory):
+    path = os.path.join(str(tmp_path_factory.getbasetemp()), "ckpt", "comp")
+    _, opt, _, _ = fit("topk,k=0.05,ef=vanilla", epochs=2,
+                       callbacks=[hvdk.CompressionCheckpointCallback(path)])
+    saved = opt.compression_state_dict()
+    assert os.path.exists(f"{path}.rank{RANK}.pkl")
+    assert any(np.abs(kinds["ef"]).sum() > 0 for kinds in saved["slots"].values())
+    # A new run restores it at train begin (0 epochs: nothing else changes it).
+    _, opt2, _, _ = fit("topk,k=0.05,ef=vanilla", epochs=0,
+                        callbacks=[hvdk.CompressionCheckpointCallback(path)])
+    restored = opt2.compression_state_dict()
+    assert restored["steps"] == saved["steps"]
+    for name, kinds in saved["slots"].items():
+        assert np.array_equal(restored["slots"][name]["ef"], kinds["ef"])
+
+
+def test_stock_tape_with_linear_codec_and_refusal_of_allgather_codecs():
+    var = tf.Variable(tf.zeros([5000]), name="stock_w")
+    grads = grads_for_step(5000, "float32", 0, WORLD)
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(var * tf.constant(grads[RANK]))
+    got = hvd.DistributedGradientTape(tape, compression=Compression.fp16).gradient(loss, [var])[0]
+    hs = [g.astype(np.float16).astype(np.float32) for g in grads]
+    want = ((hs[0] + hs[1]).astype(np.float16).astype(np.float32) * np.float32(0.5))
+    assert np.array_equal(got.numpy(), want.astype(np.float16).astype(np.float32))
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(var * tf.constant(grads[RANK]))
+    with pytest.raises(RuntimeError, match="topk payloads travel by allgather"):
+        hvd.DistributedGradientTape(tape, compression=Compression.topk).gradient(loss, [var])
+
+
+def test_ranks_with_different_specs_get_an_error():
+    spec = "topk,k=0.01" if RANK == 0 else "onebit"
+    with pytest.raises(ValueError, match="ranks disagree on the compression spec"):
+        hvdk.DistributedOptimizer(tf.keras.optimizers.SGD(0.1), compression=spec)

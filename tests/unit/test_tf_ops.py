@@ -1,0 +1,125 @@
+"""The TensorFlow ops are the same kernels as the torch extension: identical bytes for every
+codec, dtype, error feedback and momentum; the state round-trips torch -> TF -> torch."""
+import numpy as np
+import pytest
+import tensorflow as tf
+import torch
+
+from helpers import random_grad
+import hvd_compress as hc
+from hvd_compress.tensorflow import Compression
+from hvd_compress.tensorflow.codec import TFAdapter, TFCodec
+from hvd_compress.torch.codec import TorchAdapter, TorchCodec
+
+TF_DTYPES = {"float32": tf.float32, "float16": tf.float16, "bfloat16": tf.bfloat16,
+             "float64": tf.float64}
+SPECS = ["none", "fp16", "bf16", "onebit,ef=vanilla", "signsgd,momentum=nesterov", "efsignsgd",
+         "topk,k=0.05,ef=vanilla,momentum=nesterov", "randomk,k=0.1,ef=vanilla,seed=4"]
+
+
+def to_tf(t: torch.Tensor, dtype: str) -> tf.Tensor:
+    # Through float64 the values are exact; the cast back is exact since they came from dtype.
+    return tf.cast(tf.constant(t.double().numpy()), TF_DTYPES[dtype])
+
+
+def tf_bytes(t) -> bytes:
+    return np.asarray(t.numpy()).tobytes()
+
+
+def torch_bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float64"])
+@pytest.mark.parametrize("spec", SPECS)
+def test_tf_and_torch_give_identical_bytes(spec, dtype):
+    cfg = hc.parse_spec(spec)
+    tfc = TFCodec(cfg, hc.StateStore(TFAdapter()))
+    thc = TorchCodec(cfg, hc.StateStore(TorchAdapter()))
+    for step in range(3):
+        g = random_grad(1000, dtype, seed=step).view(20, 50)
+        a = tfc.encode("layer/w", to_tf(g, dtype), prescale=0.5)
+        b = thc.encode("layer/w", g.clone(), prescale=0.5)
+        assert tf_bytes(a.payload) == torch_bytes(b.payload), f"payload, step {step}"
+        if cfg.info.linear:
+            da, db = tfc.decode(a.payload, a, 0.25), thc.decode(b.payload, b, 0.25)
+        else:
+            # a second rank's payload, from fresh state on each side
+            other = random_grad(1000, dtype, seed=50 + step).view(20, 50)
+            a2 = TFCodec(cfg, hc.StateStore(TFAdapter())).encode("x", to_tf(other, dtype))
+            b2 = TorchCodec(cfg, hc.StateStore(TorchAdapter())).encode("x", other)
+            da = tfc.aggregate(tf.concat([a.payload, a2.payload], 0), a, 0.5)
+            db = thc.aggregate(torch.cat([b.payload, b2.payload]), b, 0.5)
+        assert tf_bytes(da) == torch_bytes(db), f"decoded, step {step}"
+
+
+def test_tf_codec_traces_once_and_keeps_stepping():
+    cfg = hc.parse_spec("randomk,k=0.1,ef=vanilla")
+    codec = TFCodec(cfg, hc.StateStore(TFAdapter()))
+    traces = []
+
+    @tf.function
+    def step(x):
+        traces.append(1)
+        return codec.encode("v", x).payload
+
+    x = tf.range(100, dtype=tf.float32)
+    picks = [step(x).numpy() for _ in range(3)]
+    first = len(traces)  # TF traces a variable-creating function twice on its first call
+    step(x)
+    assert first <= 2 and len(traces) == first
+    assert codec.store.state_dict()["steps"] == {"v": 4}
+    # the indices move from step to step (seeded by the step counter variable)
+    assert not (np.array_equal(picks[0], picks[1]) and np.array_equal(picks[1], picks[2]))
+
+
+def test_state_round_trips_torch_to_tf_to_torch():
+    cfg = hc.parse_spec("onebit,ef=vanilla,momentum=nesterov")
+    th = TorchCodec(cfg, hc.StateStore(TorchAdapter(), spec=cfg.canonical()))
+    grads = [random_grad(600, "float32", seed=s).view(30, 20) for s in range(4)]
+    for g in grads[:2]:
+        th.encode("w", g.clone())
+    th.settle()
+    saved = th.store.state_dict()
+
+    tfc = TFCodec(cfg, hc.StateStore(TFAdapter(), spec=cfg.canonical()))
+    tfc.store.load_state_dict(saved)
+    a = tfc.encode("w", tf.constant(grads[2].numpy()))
+    b = th.encode("w", grads[2].clone())
+    assert tf_bytes(a.payload) == torch_bytes(b.payload)
+
+    tfc.settle()
+    th.settle()
+    back = hc.StateStore(TorchAdapter(), spec=cfg.canonical())
+    back.load_state_dict(tfc.store.state_dict())
+    for kind in ("ef", "momentum", "ef_carry"):
+        want = th.store.peek("w", kind)
+        got = back.slot("w", kind, want)
+        assert torch.equal(got, want), kind
+
+
+def test_tf_compressor_protocol():
+    x = tf.constant(random_grad(1000, "float32").numpy())
+    payload, ctx = Compression.fp16.compress(x)
+    assert payload.dtype == tf.float16
+    assert np.array_equal(Compression.fp16.decompress(payload, ctx).numpy(),
+                          tf.cast(tf.cast(x, tf.float16), tf.float32).numpy())
+    payload, ctx = Compression.randomk(k=0.1).compress(x)
+    assert payload.shape == (100,)
+    assert hash(Compression.topk(k=0.5)) == hash(Compression.topk(k=0.5))
+    with pytest.raises(RuntimeError, match="onebit payloads travel by allgather"):
+        Compression.onebit.compress(x)
+    with pytest.raises(RuntimeError, match="error feedback and momentum keep state"):
+        Compression.fp16(ef="vanilla").compress(x)
+
+
+def test_tf_bad_inputs():
+    codec = TFCodec(hc.parse_spec("onebit"), None)
+    with pytest.raises(ValueError, match="gradient has dtype int32; compression supports"):
+        codec.encode("w", tf.constant([1, 2, 3]))
+    topk = TFCodec(hc.parse_spec("topk,k=2"), None)
+    enc = topk.encode("w", tf.constant([1.0, 2.0, 3.0]))
+    onebit = TFCodec(hc.parse_spec("onebit"), None).encode("w", tf.ones([100]))  # also 24 bytes
+    bad = tf.concat([enc.payload, onebit.payload], 0)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="ranks must use the same compression"):
+        topk.aggregate(bad, enc, 0.5)
