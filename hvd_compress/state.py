@@ -37,6 +37,15 @@ class StateStore:
         self._steps: dict[str, Any] = {}
         self._pending_steps: dict[str, int] = {}
 
+    @property
+    def spec(self) -> str:
+        return self._spec
+
+    @spec.setter
+    def spec(self, value: str) -> None:
+        """The spec the state now belongs to (a schedule switched codec parameters)."""
+        self._spec = value
+
     def slot(self, name: str, kind: str, like: Any) -> Any:
         """The slot's tensor, created as zeros shaped like `like` on first use."""
         shape, dtype = self._adapter.describe(like)

@@ -1,6 +1,8 @@
 // TensorFlow custom ops over the framework-neutral kernels of csrc/cpu. The ops are functional
 // (state in, new state out), so they behave the same eagerly and inside tf.function, and the
 // frontend keeps state in tf.Variables.
+#include <atomic>
+#include <chrono>
 #include <cstring>
 #include <string>
 
@@ -27,6 +29,22 @@ using tensorflow::shape_inference::InferenceContext;
                       tensorflow::errors::InvalidArgument(e.what()));           \
     return;                                                                     \
   }
+
+// Nanoseconds spent inside the codec ops of this process, for CompressionStatsCallback. A
+// Python timer cannot see inside a traced tf.function; the kernels can time themselves.
+std::atomic<int64_t> g_codec_ns{0};
+
+class CodecTimer {
+ public:
+  CodecTimer() : start_(std::chrono::steady_clock::now()) {}
+  ~CodecTimer() {
+    g_codec_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
+                      std::chrono::steady_clock::now() - start_).count();
+  }
+
+ private:
+  std::chrono::steady_clock::time_point start_;
+};
 
 bool to_hvdc(DataType t, hvdc::DType* out) {
   switch (t) {
@@ -108,6 +126,7 @@ class EncodeOp : public CodecOp {
  public:
   using CodecOp::CodecOp;
   void Compute(OpKernelContext* ctx) override {
+    CodecTimer timer;
     const Tensor& x = ctx->input(0);
     hvdc::DType d;
     if (!dtype(ctx, x, &d)) return;
@@ -124,6 +143,7 @@ class DecodeOp : public CodecOp {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("n", &n_));
   }
   void Compute(OpKernelContext* ctx) override {
+    CodecTimer timer;
     Tensor* out = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({n_}), &out));
     hvdc::DType d;
@@ -150,6 +170,7 @@ class AggregateOp : public CodecOp {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("n", &n_));
   }
   void Compute(OpKernelContext* ctx) override {
+    CodecTimer timer;
     const Tensor& gathered = ctx->input(0);
     OP_REQUIRES(ctx, gathered.dims() == 2,
                 tensorflow::errors::InvalidArgument("gathered payloads must be [ranks, bytes]"));
@@ -188,6 +209,7 @@ class EfEncodeOp : public CodecOp {
  public:
   using CodecOp::CodecOp;
   void Compute(OpKernelContext* ctx) override {
+    CodecTimer timer;
     const Tensor& x = ctx->input(0);
     const Tensor& e = ctx->input(1);
     const Tensor& carry = ctx->input(2);
@@ -217,6 +239,7 @@ class EfSettleOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("codec", &codec_));
   }
   void Compute(OpKernelContext* ctx) override {
+    CodecTimer timer;
     Tensor *e_out = nullptr, *carry_out = nullptr;
     if (!copy_to_output(ctx, 0, ctx->input(0), &e_out) ||
         !copy_to_output(ctx, 1, ctx->input(1), &carry_out))
@@ -239,6 +262,7 @@ class NesterovOp : public OpKernel {
  public:
   using OpKernel::OpKernel;
   void Compute(OpKernelContext* ctx) override {
+    CodecTimer timer;
     Tensor *x_out = nullptr, *m_out = nullptr;
     OP_REQUIRES(ctx, ctx->input(0).shape() == ctx->input(1).shape(),
                 tensorflow::errors::InvalidArgument("momentum buffer must match the gradient"));
@@ -293,6 +317,16 @@ tensorflow::Status vector_n(InferenceContext* c) {
   c->set_output(0, c->Vector(n));
   return tensorflow::OkStatus();
 }
+
+class CodecTimeOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+  void Compute(OpKernelContext* ctx) override {
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
+    out->scalar<tensorflow::int64>()() = g_codec_ns.load();
+  }
+};
 
 }  // namespace
 
@@ -378,6 +412,15 @@ REGISTER_OP("HvdcNesterov")
       return tensorflow::OkStatus();
     });
 
+REGISTER_OP("HvdcCodecTime")
+    .Output("nanoseconds: int64")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->Scalar());
+      return tensorflow::OkStatus();
+    });
+
+REGISTER_KERNEL_BUILDER(Name("HvdcCodecTime").Device(tensorflow::DEVICE_CPU), CodecTimeOp);
 REGISTER_KERNEL_BUILDER(Name("HvdcEncode").Device(tensorflow::DEVICE_CPU), EncodeOp);
 REGISTER_KERNEL_BUILDER(Name("HvdcDecode").Device(tensorflow::DEVICE_CPU), DecodeOp);
 REGISTER_KERNEL_BUILDER(Name("HvdcAggregate").Device(tensorflow::DEVICE_CPU), AggregateOp);

@@ -9,9 +9,10 @@ import horovod.tensorflow as hvd
 import tensorflow as tf
 
 from .compression import Compression, Compressor
-from .reducer import DEFAULT_MIN_COMPRESS_BYTES, Reducer, reducer_for
+from .reducer import DEFAULT_MIN_COMPRESS_BYTES, Reducer, attach, new_reducer, reducer_for
 
-__all__ = ["Compression", "Compressor", "DistributedGradientTape", "Reducer", "reducer_for"]
+__all__ = ["Compression", "Compressor", "DistributedGradientTape", "DistributedOptimizer",
+           "Reducer", "reducer_for"]
 
 
 class _CompressedTape(tf.GradientTape):
@@ -49,3 +50,21 @@ def DistributedGradientTape(gradtape, compression: Any = "none", op=hvd.Average,
     cls = type(gradtape.__class__.__name__, (gradtape.__class__,),
                dict(_CompressedTape.__dict__))
     return cls(gradtape._tape, gradtape._persistent, gradtape._watch_accessed_variables, reducer)
+
+
+def DistributedOptimizer(optimizer, compression: Any = "none", op=hvd.Average,
+                         min_compress_bytes: int = DEFAULT_MIN_COMPRESS_BYTES, name=None,
+                         process_set=hvd.global_process_set, **horovod_kwargs):
+    """Like `horovod.tensorflow.DistributedOptimizer`: TF1-style `tf.compat.v1.train`
+    optimizers are wrapped here, Keras optimizers by hvd_compress.tensorflow.keras."""
+    if not isinstance(optimizer, tf.compat.v1.train.Optimizer):
+        from .keras import DistributedOptimizer as keras_optimizer
+        return keras_optimizer(optimizer, compression=compression, op=op,
+                               min_compress_bytes=min_compress_bytes, name=name,
+                               process_set=process_set, **horovod_kwargs)
+    if horovod_kwargs.get("backward_passes_per_step", 1) != 1:
+        raise ValueError("backward_passes_per_step > 1 is not supported with compression")
+    reducer = new_reducer(compression, min_compress_bytes, op, process_set)
+    opt = hvd.DistributedOptimizer(optimizer, name=name, op=op, process_set=process_set,
+                                   **horovod_kwargs)
+    return attach(opt, reducer)

@@ -21,7 +21,8 @@ import horovod.tensorflow as hvd
 import horovod.tensorflow.keras as hvd_keras
 import tensorflow as tf
 
-from .reducer import DEFAULT_MIN_COMPRESS_BYTES, Reducer, check_ranks_agree, to_config
+from .ops import lib
+from .reducer import DEFAULT_MIN_COMPRESS_BYTES, Reducer, attach, new_reducer, to_config
 
 
 def DistributedOptimizer(optimizer, compression: Any = "none", op=hvd.Average,
@@ -39,18 +40,10 @@ def DistributedOptimizer(optimizer, compression: Any = "none", op=hvd.Average,
     for key in ("compression", "groups", "num_groups"):
         if horovod_kwargs.get(key):
             raise ValueError(f"{key} is set by hvd_compress; leave it out")
-    config = to_config(compression)
-    reducer = Reducer(config, min_compress_bytes, op, process_set)
-    if process_set.included() and process_set.size() > 1:
-        check_ranks_agree(config, min_compress_bytes, process_set)
+    reducer = new_reducer(compression, min_compress_bytes, op, process_set)
     opt = hvd_keras.DistributedOptimizer(optimizer, name=name, op=op, process_set=process_set,
                                          **horovod_kwargs)
-    opt._allreduce_grads = reducer.reduce
-    opt._hvdc_reducer = reducer
-    opt.compression_state_dict = reducer.state_dict
-    opt.load_compression_state_dict = reducer.load_state_dict
-    opt.compression_stats = reducer.stats
-    return opt
+    return attach(opt, reducer)
 
 
 def _reducer_of(model) -> Reducer:
@@ -62,25 +55,40 @@ def _reducer_of(model) -> Reducer:
 
 
 class CompressionScheduleCallback(tf.keras.callbacks.Callback):
-    """Plain allreduce until `start_epoch` (or `start_step`, counted in batches), compression
-    from then on. Every rank switches at the same point, so collectives stay matched."""
+    """When to compress, and how hard.
 
-    def __init__(self, start_epoch: int | None = None, start_step: int | None = None):
+    start_epoch / start_step: plain allreduce before it (counted in epochs, or in batches from
+    the start of training), the optimizer's compression from then on.
+    warmup: {epoch: spec}, a sparsity warm-up as in DGC, e.g.
+    {0: "topk,k=0.25,ef=vanilla", 1: "topk,k=0.0625,ef=vanilla", 2: "topk,k=0.01,ef=vanilla"}:
+    from each listed epoch on, that spec. Error-feedback residuals carry over; the train function
+    is retraced at each switch. Every rank runs the same callback, so they switch together."""
+
+    def __init__(self, start_epoch: int | None = None, start_step: int | None = None,
+                 warmup: dict | None = None):
         super().__init__()
-        if (start_epoch is None) == (start_step is None):
-            raise ValueError("give exactly one of start_epoch or start_step")
+        if start_epoch is not None and start_step is not None:
+            raise ValueError("give start_epoch or start_step, not both")
         if (start_epoch or 0) < 0 or (start_step or 0) < 0:
             raise ValueError("start_epoch/start_step must be >= 0")
         self.start_epoch, self.start_step = start_epoch, start_step
+        self.warmup = {int(e): to_config(s) for e, s in (warmup or {}).items()}
+        if any(e < 0 for e in self.warmup):
+            raise ValueError("warmup epochs must be >= 0")
         self._step = 0
 
     def on_train_begin(self, logs=None):
         self._step = 0
-        self._set(False if (self.start_epoch or self.start_step) else True)
+        self._set(not (self.start_epoch or self.start_step))
 
     def on_epoch_begin(self, epoch, logs=None):
         if self.start_epoch is not None:
             self._set(epoch >= self.start_epoch)
+        if epoch in self.warmup:
+            reducer = _reducer_of(self.model)
+            if reducer.config != self.warmup[epoch]:
+                reducer.set_config(self.warmup[epoch])
+                self.model.train_function = self.model.make_train_function(force=True)
 
     def on_train_batch_begin(self, batch, logs=None):
         if self.start_step is not None:
@@ -92,8 +100,11 @@ class CompressionScheduleCallback(tf.keras.callbacks.Callback):
 
 
 class CompressionStatsCallback(tf.keras.callbacks.Callback):
-    """Adds per-step gradient bytes, bytes sent and their ratio to the epoch logs, so they reach
-    History, CSVLogger and TensorBoard."""
+    """Adds per-step gradient bytes, bytes sent, their ratio and the time spent in codec kernels
+    during the epoch to the epoch logs, so they reach History, CSVLogger and TensorBoard."""
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._codec_ns = int(lib.hvdc_codec_time().numpy())
 
     def on_epoch_end(self, epoch, logs=None):
         if logs is None:
@@ -106,6 +117,8 @@ class CompressionStatsCallback(tf.keras.callbacks.Callback):
         logs["compression_raw_bytes_per_step"] = float(raw)
         logs["compression_sent_bytes_per_step"] = float(sent)
         logs["compression_ratio"] = float(raw / sent) if sent else 1.0
+        spent = int(lib.hvdc_codec_time().numpy()) - getattr(self, "_codec_ns", 0)
+        logs["compression_codec_ms"] = spent / 1e6
 
 
 class CompressionCheckpointCallback(tf.keras.callbacks.Callback):

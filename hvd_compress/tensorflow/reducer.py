@@ -52,8 +52,15 @@ class Reducer:
         self.enabled = tf.Variable(True, trainable=False, name="hvdc_compression_enabled")
 
     def reduce(self, grads, variables):
-        out = [self._reduce_one(g, v) for g, v in zip(grads, variables)]
-        return out
+        return [self._reduce_one(g, v) for g, v in zip(grads, variables)]
+
+    def set_config(self, config: CompressionConfig) -> None:
+        """Switch codec or parameters (a warm-up schedule). Residuals, momentum and step counters
+        carry over by name; callers retrace any tf.function that reduces gradients."""
+        self.codec.settle()
+        self.config = config
+        self.codec = TFCodec(config, self.store)
+        self.store.spec = config.canonical()
 
     def _plain(self, grad, opname):
         return hvd.allreduce(grad, op=self.op, name=opname, process_set=self.process_set)
@@ -96,6 +103,25 @@ class Reducer:
 
     def load_state_dict(self, state: dict, strict_spec: bool = True) -> None:
         self.store.load_state_dict(state, strict_spec=strict_spec)
+
+
+def new_reducer(compression: Any, min_compress_bytes: int, op, process_set) -> Reducer:
+    config = to_config(compression)
+    reducer = Reducer(config, min_compress_bytes, op, process_set)
+    if process_set.included() and process_set.size() > 1:
+        check_ranks_agree(config, min_compress_bytes, process_set)
+    return reducer
+
+
+def attach(opt, reducer: Reducer):
+    """Make a Horovod-wrapped optimizer reduce through `reducer`: Horovod's optimizers call
+    self._allreduce_grads(grads, vars) for the whole reduction."""
+    opt._allreduce_grads = reducer.reduce
+    opt._hvdc_reducer = reducer
+    opt.compression_state_dict = reducer.state_dict
+    opt.load_compression_state_dict = reducer.load_state_dict
+    opt.compression_stats = reducer.stats
+    return opt
 
 
 _reducers: dict[tuple, Reducer] = {}

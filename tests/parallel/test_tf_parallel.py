@@ -151,3 +151,29 @@ def test_ranks_with_different_specs_get_an_error():
     spec = "topk,k=0.01" if RANK == 0 else "onebit"
     with pytest.raises(ValueError, match="ranks disagree on the compression spec"):
         hvdk.DistributedOptimizer(tf.keras.optimizers.SGD(0.1), compression=spec)
+
+
+def test_sparsity_warmup_schedule_switches_codec_parameters():
+    warm = hvdk.CompressionScheduleCallback(warmup={0: "topk,k=0.25,ef=vanilla",
+                                                    2: "topk,k=0.05,ef=vanilla"})
+    _, opt, history, loss = fit("topk,k=0.25,ef=vanilla", epochs=4, callbacks=[warm])
+    ratios = history.history["compression_ratio"]
+    assert ratios[0] == ratios[1] < ratios[2] == ratios[3]
+    assert opt._hvdc_reducer.config.param_dict["k"] == 0.05
+    assert all(ms >= 0 for ms in history.history["compression_codec_ms"])
+    assert np.isfinite(loss)
+
+
+def test_tf1_style_optimizer_and_stock_keras_optimizer():
+    n = 5000
+    var = tf.Variable(tf.zeros([n]), name="v1_w")
+    grads = grads_for_step(n, "float32", 0, WORLD)
+    opt = hvdt.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(1.0),
+                                    compression="topk,k=0.01", min_compress_bytes=0)
+    opt.minimize(lambda: tf.reduce_sum(var * tf.constant(grads[RANK])), var_list=[var])
+    want = Simulation("topk,k=0.01", n, "float32", WORLD, name="v1_w")(grads)
+    assert np.array_equal(var.numpy(), -want)  # by value: SGD turns untouched zeros into -0.0
+    # Horovod's own Keras optimizer with one of our linear compressors
+    stock = hvd_keras.DistributedOptimizer(tf.keras.optimizers.SGD(0.05),
+                                           compression=Compression.fp16)
+    assert stock is not None
