@@ -8,11 +8,11 @@ from typing import Any
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
+from ..compressor import CompressorBase
 from ..spec import CompressionConfig, parse_spec
 from ..state import StateStore
 from ..stats import CompressionStats
 from .codec import DTYPE_NAMES, TFAdapter, TFCodec
-from .compression import Compressor
 
 DEFAULT_MIN_COMPRESS_BYTES = 65536
 _OP_NAME = re.compile(r"[^A-Za-z0-9_.\-/]")
@@ -25,7 +25,7 @@ def parameter_name(var) -> str:
 
 
 def to_config(compression: Any) -> CompressionConfig:
-    if isinstance(compression, Compressor):
+    if isinstance(compression, CompressorBase):
         return compression.config
     if compression is hvd.Compression.none:
         return parse_spec("none")

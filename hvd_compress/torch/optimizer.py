@@ -29,13 +29,14 @@ from ..spec import CompressionConfig
 from ..state import StateStore
 from ..stats import CompressionStats
 from .codec import DTYPE_NAMES, TorchAdapter, TorchCodec
-from .compression import Compression, Compressor
+from ..compressor import CompressorBase
+from .compression import Compression
 
 DEFAULT_MIN_COMPRESS_BYTES = 65536
 
 
 def _to_config(compression: Any) -> CompressionConfig:
-    if isinstance(compression, Compressor):
+    if isinstance(compression, CompressorBase):
         return compression.config
     if compression is hvd.Compression.none:
         return Compression.from_spec("none").config
