@@ -74,5 +74,11 @@ if ! "$VPY" -c "import horovod, horovod.torch, horovod.tensorflow" >/dev/null 2>
 fi
 
 log "building hvd_compress kernels"
-(cd "$ROOT" && "$VPY" -m pip install -q --no-build-isolation --no-deps -e .)
+# The editable install only puts the checkout on the path: how it builds extensions depends on
+# the setuptools a dependency left behind, so the kernels are built in place explicitly (and
+# incrementally), then loaded once so a build that produced nothing fails here, not in tests.
+(cd "$ROOT" && "$VPY" -m pip install -q --no-build-isolation --no-deps -e . \
+    && "$VPY" setup.py -q build_ext --inplace)
+(cd / && "$VPY" -c "import hvd_compress.torch._C, hvd_compress.tensorflow.ops") \
+    || { echo "setup: the hvd_compress kernels did not build" >&2; exit 1; }
 log "ready: $VENV"
