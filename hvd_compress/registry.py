@@ -157,6 +157,14 @@ register(CodecInfo(
     doc="one random element per stratum of ~n/k, indices from (seed, step, parameter name) "
         "identical on all ranks, so values are allreduced and no index is sent",
     bits_per_element=lambda isz: 8 * isz, uses_seed=True))
+register(CodecInfo(
+    name="minmax8", kernel_id=8, collective="allgather", aggregation="mean",
+    params=(Param("chunk", int, 4096, "an integer in [1, 2^31-1]",
+                  "elements sharing one min/max pair", lambda v: 1 <= v < 2**31),),
+    wire="[u32 tag][u32 chunk][f32 min, f32 max per chunk][u8 codes]",
+    doc="8-bit min-max quantisation (Bagua ByteGrad): per chunk, 256 evenly spaced levels "
+        "between its min and max, rounded to nearest",
+    bits_per_element=lambda isz: 8.0 + 64.0 / 4096))  # + a min/max pair per default chunk
 
 
 def codec_table() -> str:

@@ -13,7 +13,7 @@ import numpy as np
 
 DTYPE_CODE = {"float32": 0, "float16": 1, "bfloat16": 2, "float64": 3}
 CODEC_ID = {"none": 0, "fp16": 1, "bf16": 2, "onebit": 3, "signsgd": 4, "efsignsgd": 5,
-            "topk": 6, "randomk": 7}
+            "topk": 6, "randomk": 7, "minmax8": 8}
 MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 
 
@@ -88,7 +88,7 @@ def kept(k_param: float, n: int) -> int:
 
 
 def encode(codec: str, x: np.ndarray, dtype: str, *, k: int = 0, seed: int = 0,
-           scaling: bool = True, prescale: float = 1.0) -> bytes:
+           scaling: bool = True, prescale: float = 1.0, chunk: int = 4096) -> bytes:
     n = x.size
     if codec == "none":
         return x.tobytes()
@@ -119,6 +119,21 @@ def encode(codec: str, x: np.ndarray, dtype: str, *, k: int = 0, seed: int = 0,
     if codec == "randomk":
         idx, _ = randomk_strata(n, k, seed)
         return x[idx].tobytes()
+    if codec == "minmax8":
+        xv = to_acc(x, dtype).astype(np.float32)
+        bounds, codes = [], np.zeros(n, np.uint8)
+        for s in range(0, n, chunk):
+            seg = xv[s:s + chunk]
+            lo, hi = (np.float32(np.nan),) * 2 if np.isnan(seg).any() else (seg.min(), seg.max())
+            lo, hi = lo + np.float32(0), hi + np.float32(0)  # -0 bounds are stored as +0
+            bounds += [lo, hi]
+            rng = np.float32(hi - lo)
+            if rng > 0:
+                q = (seg - lo) * (np.float32(255.0) / rng)
+                codes[s:s + chunk] = np.clip(np.floor(q + np.float32(0.5)), 0, 255).astype(np.uint8)
+        pad = b"\0" * ((n + 7) // 8 * 8 - n)
+        return (struct.pack("<II", tag(codec, dtype), chunk) +
+                np.array(bounds, np.float32).tobytes() + codes.tobytes() + pad)
     raise KeyError(codec)
 
 
@@ -159,6 +174,18 @@ def decoded_terms(codec: str, payload: bytes, n: int, dtype: str, alpha: float, 
     if codec == "topk":
         _, idx, vals = _topk_parts(payload, dtype)
         return idx.astype(np.int64), a * to_acc(vals, dtype)
+    if codec == "minmax8":
+        _, c = struct.unpack("<II", payload[:8])
+        nch = (n + c - 1) // c
+        bounds = np.frombuffer(payload[8:8 + 8 * nch], np.float32).reshape(nch, 2)
+        codes = np.frombuffer(payload[8 + 8 * nch:8 + 8 * nch + n], np.uint8)
+        vals = np.empty(n, np.float32)
+        for j, (lo, hi) in enumerate(bounds):
+            rng = np.float32(hi - lo)
+            step = rng / np.float32(255.0) if rng > 0 else np.float32(0)
+            seg = codes[j * c:(j + 1) * c].astype(np.float32)
+            vals[j * c:(j + 1) * c] = lo + seg * step
+        return np.arange(n), a * vals.astype(A)
     if codec == "randomk":
         idx, size = randomk_strata(n, k, seed)
         v = to_acc(np.frombuffer(payload, _np_dtype(dtype)), dtype)
@@ -172,7 +199,7 @@ def decode(codec: str, payload: bytes, n: int, dtype: str, alpha: float = 1.0,
            out: np.ndarray | None = None, **kw) -> np.ndarray:
     """out = alpha * D(payload), or out + alpha * D(payload) when out is given."""
     idx, terms = decoded_terms(codec, payload, n, dtype, alpha, **kw)
-    if out is None and codec not in ("topk", "randomk"):
+    if out is None and codec not in ("topk", "randomk", "minmax8"):
         return from_acc(terms, dtype)  # dense codecs write alpha * D directly
     base = zeros(n, dtype) if out is None else out
     acc = to_acc(base, dtype).copy()
@@ -212,7 +239,7 @@ def nesterov(x: np.ndarray, m: np.ndarray, mu: float, dtype: str):
 def ef_encode(codec: str, x: np.ndarray, e: np.ndarray, dtype: str, prescale: float = 1.0, **kw):
     """Vanilla error feedback: p = x + e; c = C(p); e = p - D(c). Returns (payload, new e)."""
     p = from_acc(to_acc(x, dtype) + to_acc(e, dtype), dtype)
-    enc_kw = {k: v for k, v in kw.items() if k in ("k", "seed", "scaling")}
+    enc_kw = {k: v for k, v in kw.items() if k in ("k", "seed", "scaling", "chunk")}
     payload = encode(codec, p, dtype, prescale=prescale, **enc_kw)
     dec_kw = {k: v for k, v in kw.items() if k in ("k", "seed", "rescale")}
     return payload, decode(codec, payload, x.size, dtype, -1.0 / prescale, out=p, **dec_kw)

@@ -29,6 +29,7 @@ class Simulation:
             return ref.from_acc(acc * ref.acc_type(dtype)(1.0 / self.world), dtype)
         prescale = 1.0 / self.world if cfg.info.prescale_average else 1.0
         scaling = cfg.param_dict.get("scaling", True)
+        chunk = cfg.param_dict.get("chunk", 4096)
         payloads = []
         for r, g in enumerate(grads):
             x = g
@@ -36,10 +37,10 @@ class Simulation:
                 x, self.m[r] = ref.nesterov(x, self.m[r], cfg.mu, dtype)
             if cfg.ef == "vanilla":
                 pl, self.e[r] = ref.ef_encode(cfg.codec, x, self.e[r], dtype, prescale=prescale,
-                                              k=self.k, seed=seed, scaling=scaling)
+                                              k=self.k, seed=seed, scaling=scaling, chunk=chunk)
             else:
                 pl = ref.encode(cfg.codec, x, dtype, k=self.k, seed=seed, scaling=scaling,
-                                prescale=prescale)
+                                prescale=prescale, chunk=chunk)
             payloads.append(pl)
         if cfg.codec == "fp16":  # half sum of pre-divided halves
             hs = [np.frombuffer(pl, np.float16).astype(np.float32) for pl in payloads]

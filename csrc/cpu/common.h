@@ -146,5 +146,13 @@ void encode(DType d, const void* x, int64_t n, const Params& p, void* payload);
 void decode(DType d, const void* payload, int64_t n, const Params& p, void* out, double alpha,
             bool acc);
 }  // namespace randomk
+namespace minmax8 {
+int64_t payload_bytes(int64_t n, int64_t chunk);
+void encode(DType d, const void* x, int64_t n, const Params& p, void* payload);
+void decode(DType d, const void* payload, int64_t n, const Params& p, void* out, double alpha,
+            bool acc);
+void aggregate(DType d, const void* payloads, int64_t ranks, int64_t stride, int64_t n,
+               const Params& p, void* out, double alpha, bool acc);
+}  // namespace minmax8
 
 }  // namespace hvdc

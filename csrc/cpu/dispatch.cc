@@ -17,9 +17,10 @@ const char* codec_name(CodecId c) {
     case kEFSignSGD: return "efsignsgd";
     case kTopK: return "topk";
     case kRandomK: return "randomk";
+    case kMinMax8: return "minmax8";
   }
   throw KernelError("unknown codec id " + std::to_string(static_cast<int>(c)) +
-                    " (valid: 0..7: none, fp16, bf16, onebit, signsgd, efsignsgd, topk, randomk)");
+                    " (valid: 0..8: none, fp16, bf16, onebit, signsgd, efsignsgd, topk, randomk, minmax8)");
 }
 
 bool is_sign(CodecId c) { return c == kOnebit || c == kSignSGD || c == kEFSignSGD; }
@@ -32,6 +33,8 @@ void check_common(CodecId c, DType d, int64_t n, const Params& p) {
     throw KernelError("unsupported gradient dtype code " + std::to_string(static_cast<int>(d)) +
                       " (valid: float32, float16, bfloat16, float64)");
   if (n < 0) throw KernelError("element count must be >= 0, got " + std::to_string(n));
+  if (c == kMinMax8 && (p.chunk < 1 || p.chunk > 0x7fffffffLL))
+    throw KernelError("minmax8: chunk must be in [1, 2^31-1], got " + std::to_string(p.chunk));
   if (c == kTopK || c == kRandomK) {
     if (p.k < 0 || p.k > n)
       throw KernelError(std::string(codec_name(c)) + ": k must be in [0, n] = [0, " +
@@ -64,6 +67,7 @@ int64_t payload_bytes(CodecId c, DType d, int64_t n, const Params& p) {
   if (is_cast(c)) return cast::payload_bytes(c, d, n);
   if (is_sign(c)) return sign::payload_bytes(n);
   if (c == kTopK) return topk::payload_bytes(d, p.k);
+  if (c == kMinMax8) return minmax8::payload_bytes(n, p.chunk);
   return p.k * dtype_size(d);  // randomk
 }
 
@@ -80,6 +84,7 @@ void encode(CodecId c, DType d, const void* x, int64_t n, const Params& p, void*
   if (is_cast(c)) return cast::encode(c, d, x, n, p, payload);
   if (is_sign(c)) return sign::encode(c, d, x, n, p, payload);
   if (c == kTopK) return topk::encode(d, x, n, p, payload);
+  if (c == kMinMax8) return minmax8::encode(d, x, n, p, payload);
   return randomk::encode(d, x, n, p, payload);
 }
 
@@ -89,6 +94,7 @@ void decode(CodecId c, DType d, const void* payload, int64_t n, const Params& p,
   if (is_cast(c)) return cast::decode(c, d, payload, n, out, alpha, accumulate);
   if (is_sign(c)) return sign::decode(c, d, payload, n, out, alpha, accumulate);
   if (c == kTopK) return topk::decode(d, payload, n, p, out, alpha, accumulate);
+  if (c == kMinMax8) return minmax8::decode(d, payload, n, p, out, alpha, accumulate);
   return randomk::decode(d, payload, n, p, out, alpha, accumulate);
 }
 
@@ -103,6 +109,8 @@ void aggregate(CodecId c, DType d, const void* payloads, int64_t ranks, int64_t 
   if (is_sign(c)) return sign::aggregate(c, d, payloads, ranks, stride, n, out, alpha);
   if (c == kFP16 || c == kBF16Codec) return cast::aggregate(c, d, payloads, ranks, stride, n, out, alpha);
   if (c == kTopK) return topk::aggregate(d, payloads, ranks, stride, n, p, out, alpha);
+  if (c == kMinMax8)
+    return minmax8::aggregate(d, payloads, ranks, stride, n, p, out, alpha, false);
   throw KernelError(std::string(codec_name(c)) +
                     " payloads are reduced by allreduce, not aggregated locally");
 }

@@ -60,13 +60,15 @@ bool to_hvdc(DataType t, hvdc::DType* out) {
 class CodecOp : public OpKernel {
  public:
   explicit CodecOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    tensorflow::int64 k = 0, base = 0;
+    tensorflow::int64 k = 0, base = 0, chunk = 0;
     OP_REQUIRES_OK(ctx, ctx->GetAttr("codec", &codec_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("k", &k));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("seed_base", &base));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("scaling", &params_.scaling));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("rescale", &params_.rescale));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("chunk", &chunk));
     params_.k = k;
+    params_.chunk = chunk;
     seed_base_ = static_cast<uint64_t>(base);
   }
 
@@ -290,6 +292,8 @@ tensorflow::Status payload_shape(InferenceContext* c) {
   TF_RETURN_IF_ERROR(c->GetAttr("W", &w));
   TF_RETURN_IF_ERROR(c->GetAttr("scaling", &scaling));
   TF_RETURN_IF_ERROR(c->GetAttr("rescale", &rescale));
+  tensorflow::int64 chunk = 4096;
+  TF_RETURN_IF_ERROR(c->GetAttr("chunk", &chunk));
   auto x = c->input(0);
   hvdc::DType d;
   if (!c->FullyDefined(x) || !to_hvdc(t, &d)) {
@@ -302,6 +306,7 @@ tensorflow::Status payload_shape(InferenceContext* c) {
   p.k = k;
   p.scaling = scaling;
   p.rescale = rescale;
+  p.chunk = chunk;
   try {
     const int64_t bytes = hvdc::payload_bytes(static_cast<hvdc::CodecId>(codec), d, n, p);
     c->set_output(0, c->Vector(bytes / tensorflow::DataTypeSize(w)));
@@ -335,7 +340,8 @@ class CodecTimeOp : public OpKernel {
       .Attr("k: int = 0")                                     \
       .Attr("seed_base: int = 0")                             \
       .Attr("scaling: bool = true")                           \
-      .Attr("rescale: bool = false")
+      .Attr("rescale: bool = false")                          \
+      .Attr("chunk: int = 4096")
 
 REGISTER_OP("HvdcEncode")
     .Input("x: T")

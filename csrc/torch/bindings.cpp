@@ -146,7 +146,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("seed", &hvdc::Params::seed)
       .def_readwrite("prescale", &hvdc::Params::prescale)
       .def_readwrite("scaling", &hvdc::Params::scaling)
-      .def_readwrite("rescale", &hvdc::Params::rescale);
+      .def_readwrite("rescale", &hvdc::Params::rescale)
+      .def_readwrite("chunk", &hvdc::Params::chunk);
   py::register_exception<hvdc::KernelError>(m, "KernelError", PyExc_ValueError);
   using G = py::call_guard<py::gil_scoped_release>;
   m.def("new_payload", &new_payload, G());

@@ -23,7 +23,8 @@ hvd.init()
 WORLD, RANK = hvd.size(), hvd.rank()
 pytestmark = pytest.mark.skipif(WORLD != 2, reason="run under mpirun/horovodrun with 2 ranks")
 TF_DTYPES = {"float32": tf.float32, "float64": tf.float64}
-CODECS = ["none", "fp16", "bf16", "onebit", "signsgd", "efsignsgd", "topk", "randomk"]
+CODECS = ["none", "fp16", "bf16", "onebit", "signsgd", "efsignsgd", "topk", "randomk",
+          "minmax8"]
 
 
 def tape_step(var, g, spec, graph):
@@ -103,7 +104,7 @@ _baseline = {}
 
 @pytest.mark.parametrize("spec", ["fp16", "bf16", "efsignsgd", "onebit,ef=vanilla",
                                   "signsgd,ef=vanilla", "topk,k=0.05,ef=vanilla",
-                                  "randomk,k=0.05,ef=vanilla"])
+                                  "randomk,k=0.05,ef=vanilla", "minmax8,ef=vanilla"])
 def test_keras_fit_reaches_uncompressed_loss(spec):
     if "none" not in _baseline:
         _baseline["none"] = fit("none")[3]

@@ -25,7 +25,8 @@ WORLD = hvd.size()
 RANK = hvd.rank()
 pytestmark = pytest.mark.skipif(WORLD != 2, reason="run under mpirun/horovodrun with 2 ranks")
 
-CODECS = ["none", "fp16", "bf16", "onebit", "signsgd", "efsignsgd", "topk", "randomk"]
+CODECS = ["none", "fp16", "bf16", "onebit", "signsgd", "efsignsgd", "topk", "randomk",
+          "minmax8"]
 
 
 def single_param_optimizer(spec, n, dtype=torch.float32, **kw):
@@ -133,7 +134,7 @@ _baseline = {}
 
 @pytest.mark.parametrize("spec", ["fp16", "bf16", "efsignsgd", "onebit,ef=vanilla",
                                   "signsgd,ef=vanilla", "topk,k=0.05,ef=vanilla",
-                                  "randomk,k=0.05,ef=vanilla", "topk,k=0.05,ef=vanilla,"
+                                  "randomk,k=0.05,ef=vanilla", "minmax8,ef=vanilla", "topk,k=0.05,ef=vanilla,"
                                   "momentum=nesterov,mu=0.5"])
 def test_training_reaches_uncompressed_loss(spec):
     if "none" not in _baseline:

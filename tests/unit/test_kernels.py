@@ -15,6 +15,7 @@ from hvd_compress.torch import _C
 DTYPES = ["float32", "float16", "bfloat16", "float64"]
 LENGTHS = [0, 1, 7, 8, 31, 63, 64, 65, 127, 1000, 4097, 20011]
 ID = ref.CODEC_ID
+CHUNK = 100  # minmax8 in these tests: many chunks, and a short last one
 
 
 def k_for(codec, n):
@@ -30,13 +31,13 @@ def encode(codec, x, p):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", LENGTHS)
 @pytest.mark.parametrize("codec", ["none", "fp16", "bf16", "onebit", "signsgd", "efsignsgd",
-                                   "topk", "randomk"])
+                                   "topk", "randomk", "minmax8"])
 def test_encode_decode_match_reference(codec, n, dtype):
     x = random_grad(n, dtype, seed=n)
     k = k_for(codec, n)
-    p = params(k=k, seed=12345 + n)
+    p = params(k=k, seed=12345 + n, chunk=CHUNK)
     payload = encode(codec, x, p)
-    want = ref.encode(codec, t2n(x), dtype, k=k, seed=12345 + n)
+    want = ref.encode(codec, t2n(x), dtype, k=k, seed=12345 + n, chunk=CHUNK)
     assert payload_bytes(payload) == want
 
     for alpha in (1.0, 0.5, -1.0):
@@ -70,11 +71,12 @@ def test_sign_zero_and_nan_count_as_positive():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("ranks", [1, 2, 3, 5])
-@pytest.mark.parametrize("codec", ["bf16", "fp16", "onebit", "signsgd", "efsignsgd", "topk"])
+@pytest.mark.parametrize("codec", ["bf16", "fp16", "onebit", "signsgd", "efsignsgd", "topk",
+                                   "minmax8"])
 def test_aggregate_matches_reference(codec, ranks, dtype):
     n = 3001
     k = k_for(codec, n)
-    p = params(k=k)
+    p = params(k=k, chunk=CHUNK)
     xs = [random_grad(n, dtype, seed=100 + r) for r in range(ranks)]
     payloads = [encode(codec, x, p) for x in xs]
     gathered = torch.stack([pl.view(torch.uint8).reshape(-1) for pl in payloads])
@@ -100,12 +102,12 @@ def test_signsgd_is_a_majority_vote():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("codec", ["none", "fp16", "bf16", "onebit", "signsgd", "efsignsgd",
-                                   "topk", "randomk"])
+                                   "topk", "randomk", "minmax8"])
 def test_error_feedback_matches_reference(codec, dtype):
     n = 2050
     k = k_for(codec, n)
     prescale = 0.5 if codec == "fp16" else 1.0
-    p = params(k=k, seed=9, prescale=prescale)
+    p = params(k=k, seed=9, prescale=prescale, chunk=CHUNK)
     e = random_grad(n, dtype, seed=1) * 0.1
     carry = torch.zeros(_C.ef_carry_size(ID[codec]))
     e_ref = t2n(e)
@@ -113,7 +115,8 @@ def test_error_feedback_matches_reference(codec, dtype):
         x = random_grad(n, dtype, seed=10 + step)
         payload = _C.new_payload(ID[codec], x, p)
         _C.ef_encode(ID[codec], x, e, carry, p, payload)  # e stays lazy across steps
-        want, e_ref = ref.ef_encode(codec, t2n(x), e_ref, dtype, prescale=prescale, k=k, seed=9)
+        want, e_ref = ref.ef_encode(codec, t2n(x), e_ref, dtype, prescale=prescale, k=k, seed=9,
+                                    chunk=CHUNK)
         assert payload_bytes(payload) == want
         settled, settled_carry = e.clone(), carry.clone()
         _C.ef_settle(ID[codec], settled, settled_carry)
@@ -122,7 +125,7 @@ def test_error_feedback_matches_reference(codec, dtype):
 
 
 @pytest.mark.parametrize("codec", ["none", "fp16", "bf16", "onebit", "signsgd", "efsignsgd",
-                                   "topk", "randomk"])
+                                   "topk", "randomk", "minmax8"])
 def test_error_feedback_invariant_float64(codec):
     """g + e_old == D(C(g + e_old)) + e_new, the defining property of error feedback."""
     n = 5003
@@ -281,7 +284,7 @@ def test_scalar_and_simd_paths_agree(tmp_path):
         "from helpers import params, random_grad, payload_bytes\n"
         "from hvd_compress.torch import _C\n"
         "out = []\n"
-        "for c in (1, 2, 3, 4, 5, 6, 7):\n"
+        "for c in (1, 2, 3, 4, 5, 6, 7, 8):\n"
         "    for n in (1, 65, 4099, 70001):\n"
         "        x = random_grad(n, 'float32', seed=n)\n"
         "        p = params(k=max(1, n // 50), seed=3)\n"
@@ -316,3 +319,26 @@ def test_special_values_inside_simd_blocks(codec):
     out = torch.empty_like(x)
     _C.decode(ID[codec], payload, out, params(), 1.0, False)
     assert torch.isnan(out[3]) and out[17] == float("inf") and out[18] == float("-inf")
+
+
+def test_minmax8_levels_bounds_and_nan():
+    zeros = torch.tensor([-0.0, 0.0, -0.0, 0.0] * 10)  # signed zeros: bounds stored as +0
+    assert payload_bytes(encode("minmax8", zeros, params(chunk=20))) == ref.encode(
+        "minmax8", t2n(zeros), "float32", chunk=20)
+    x = torch.tensor([-1.0, 0.0, 1.0, 0.5, float("nan"), 2.0, 3.0])
+    p = params(chunk=4)
+    payload = encode("minmax8", x, p)
+    assert payload_bytes(payload) == ref.encode("minmax8", t2n(x), "float32", chunk=4)
+    out = torch.empty(7)
+    _C.decode(ID["minmax8"], payload, out, p, 1.0, False)
+    assert out[:4].tolist() == [-1.0, pytest.approx(0.0, abs=1e-2), 1.0, pytest.approx(0.5, abs=1e-2)]
+    assert torch.isnan(out[4:]).all()  # the chunk holding a NaN decodes to NaN
+    # decoded values lie on the 256 levels of their chunk: error at most half a level
+    y = random_grad(5000, "float32", seed=8)
+    pl = encode("minmax8", y, params(chunk=500))
+    dec = torch.empty(5000)
+    _C.decode(ID["minmax8"], pl, dec, params(chunk=500), 1.0, False)
+    for s in range(0, 5000, 500):
+        seg = y[s:s + 500]
+        half = (seg.max() - seg.min()) / 255 / 2
+        assert ((dec[s:s + 500] - seg).abs() <= half * 1.001 + 1e-7).all()

@@ -69,7 +69,8 @@ def test_bad_specs_name_the_problem(spec, message):
 
 def test_registry_describes_every_codec():
     names = [c.name for c in hc.codecs()]
-    assert names == ["none", "fp16", "bf16", "onebit", "signsgd", "efsignsgd", "topk", "randomk"]
+    assert names == ["none", "fp16", "bf16", "onebit", "signsgd", "efsignsgd", "topk", "randomk",
+                     "minmax8"]
     for c in hc.codecs():
         assert c.collective in ("allreduce", "allgather")
         assert c.aggregation in ("mean", "majority")

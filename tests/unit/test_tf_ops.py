@@ -14,7 +14,8 @@ from hvd_compress.torch.codec import TorchAdapter, TorchCodec
 TF_DTYPES = {"float32": tf.float32, "float16": tf.float16, "bfloat16": tf.bfloat16,
              "float64": tf.float64}
 SPECS = ["none", "fp16", "bf16", "onebit,ef=vanilla", "signsgd,momentum=nesterov", "efsignsgd",
-         "topk,k=0.05,ef=vanilla,momentum=nesterov", "randomk,k=0.1,ef=vanilla,seed=4"]
+         "topk,k=0.05,ef=vanilla,momentum=nesterov", "randomk,k=0.1,ef=vanilla,seed=4",
+         "minmax8,chunk=300,ef=vanilla"]
 
 
 def to_tf(t: torch.Tensor, dtype: str) -> tf.Tensor:

@@ -22,6 +22,7 @@ enum CodecId : int32_t {
   kEFSignSGD = 5,
   kTopK = 6,
   kRandomK = 7,
+  kMinMax8 = 8,
 };
 
 struct Params {
@@ -30,6 +31,7 @@ struct Params {
   double prescale = 1.0;  // fp16 / bf16 / none: multiply before the cast (overflow guard)
   bool scaling = true;    // sign codecs: scale = mean|x| (else 1)
   bool rescale = false;   // randomk: multiply kept values by the stratum size (unbiased)
+  int64_t chunk = 4096;   // minmax8: elements sharing one min/max pair
 };
 
 // Raised for any bad argument; the message names what was wrong.
