@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from helpers import same_bits
+from helpers import same_bits, two_rank_marker
 from simulation import Simulation, grads_for_step
 import hvd_compress.tensorflow as hvdt
 import hvd_compress.tensorflow.keras as hvdk
@@ -21,7 +21,7 @@ from hvd_compress.tensorflow import Compression
 
 hvd.init()
 WORLD, RANK = hvd.size(), hvd.rank()
-pytestmark = pytest.mark.skipif(WORLD != 2, reason="run under mpirun/horovodrun with 2 ranks")
+pytestmark = two_rank_marker(WORLD)
 TF_DTYPES = {"float32": tf.float32, "float64": tf.float64}
 CODECS = ["none", "fp16", "bf16", "onebit", "signsgd", "efsignsgd", "topk", "randomk",
           "minmax8"]

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import numpy_ref as ref
-from helpers import TORCH_DTYPES, n2t, random_grad, same_bits, t2n
+from helpers import TORCH_DTYPES, n2t, random_grad, same_bits, t2n, two_rank_marker
 from simulation import Simulation, grads_for_step, rank_sum
 import hvd_compress as hc
 import hvd_compress.torch as hvdc
@@ -23,7 +23,7 @@ from hvd_compress.torch import Compression
 hvd.init()
 WORLD = hvd.size()
 RANK = hvd.rank()
-pytestmark = pytest.mark.skipif(WORLD != 2, reason="run under mpirun/horovodrun with 2 ranks")
+pytestmark = two_rank_marker(WORLD)
 
 CODECS = ["none", "fp16", "bf16", "onebit", "signsgd", "efsignsgd", "topk", "randomk",
           "minmax8"]
