@@ -39,6 +39,14 @@ class CompressionConfig:
     def param_dict(self) -> dict[str, Any]:
         return dict(self.params)
 
+    def kernel_fields(self, n: int) -> dict[str, Any]:
+        """The codec's parameters as kernel arguments for a tensor of n elements. Every codec
+        parameter is a kernel field of the same name (hvdc::Params, the TF op attributes);
+        `k` is first resolved from a fraction to a count."""
+        params = self.param_dict
+        return {name: self.info.kept(params, n) if name == "k" else value
+                for name, value in params.items()}
+
     def canonical(self) -> str:
         """The spec as a string with every default spelled out; equal configs, equal strings."""
         items = [self.codec] + [f"{k}={_fmt(v)}" for k, v in self.params]

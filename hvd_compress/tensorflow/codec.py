@@ -50,13 +50,9 @@ class TFCodec:
         self.store = store
 
     def attrs(self, name: str, n: int) -> dict:
-        """Kernel attributes: every codec parameter is an op attribute of the same name."""
-        params = self.config.param_dict
-        a = {"codec": self.info.kernel_id,
-             "seed_base": _signed64(seed_base(self.config.seed, name)) if self.info.uses_seed else 0}
-        for key, value in params.items():
-            a[key] = self.info.kept(params, n) if key == "k" else value
-        return a
+        """Op attributes (see CompressionConfig.kernel_fields)."""
+        base = _signed64(seed_base(self.config.seed, name)) if self.info.uses_seed else 0
+        return {"codec": self.info.kernel_id, "seed_base": base, **self.config.kernel_fields(n)}
 
     def wire_dtype(self, dtype: tf.DType) -> tf.DType:
         if not self.info.linear:

@@ -28,13 +28,10 @@ def check_gradient(t: torch.Tensor, what: str = "gradient") -> None:
 
 def kernel_params(cfg: CompressionConfig, n: int, *, seed: int = 0,
                   prescale: float = 1.0) -> _C.Params:
-    """Kernel arguments for one tensor of n elements. Every codec parameter is a field of
-    hvdc::Params of the same name; `k` is first resolved from a fraction to a count."""
+    """Kernel arguments for one tensor of n elements (see CompressionConfig.kernel_fields)."""
     p = _C.Params()
-    info = cfg.info
-    params = cfg.param_dict
-    for name, value in params.items():
-        setattr(p, name, info.kept(params, n) if name == "k" else value)
+    for name, value in cfg.kernel_fields(n).items():
+        setattr(p, name, value)
     p.seed = seed
     p.prescale = prescale
     return p
@@ -78,15 +75,13 @@ class TorchCodec:
         return Encoded(payload, kp, grad.shape, grad.dtype)
 
     def _carry(self, name: str) -> torch.Tensor:
-        size = _C.ef_carry_size(self.info.kernel_id)
+        size = self.info.ef_carry
         return self._slot(name, "ef_carry", torch.zeros(size)) if size else _NO_CARRY
 
     def settle(self) -> None:
         """Bring every lazily kept residual to its plain form (a no-op for the state's meaning);
         called before the state is read or checkpointed."""
-        if self.store is None or self.config.ef != "vanilla":
-            return
-        if not _C.ef_carry_size(self.info.kernel_id):
+        if self.store is None or self.config.ef != "vanilla" or not self.info.ef_carry:
             return
         for name in self.store.names():
             e = self.store.peek(name, "ef")

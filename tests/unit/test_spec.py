@@ -113,3 +113,10 @@ def test_readme_codec_table_is_the_registry():
     from hvd_compress.registry import codec_table
     readme = open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md")).read()
     assert codec_table() in readme, "README's codec table is stale: paste registry.codec_table()"
+
+
+def test_kernel_fields_resolve_k_per_tensor():
+    assert hc.parse_spec("topk,k=0.01").kernel_fields(1000) == {"k": 10}
+    assert hc.parse_spec("randomk,k=50,rescale=true").kernel_fields(20) == {"k": 20, "rescale": True}
+    assert hc.parse_spec("minmax8,chunk=64").kernel_fields(5) == {"chunk": 64}
+    assert hc.parse_spec("fp16").kernel_fields(5) == {}
