@@ -7,8 +7,8 @@ SOURCES   := setup.py ci/setup.sh ci/requirements.txt $(shell find csrc -type f 
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export OMPI_MCA_rmaps_base_oversubscribe := 1
 
-MPIRUN    := HVDC_TWO_RANKS=1 mpirun --allow-run-as-root --oversubscribe -np 2 -x PATH -x HVDC_TWO_RANKS
-HVDRUN    := HVDC_TWO_RANKS=1 horovodrun --gloo -np 2 -H localhost:2
+MPIRUN    := env HVDC_TWO_RANKS=1 mpirun --allow-run-as-root --oversubscribe -np 2 -x PATH -x HVDC_TWO_RANKS
+HVDRUN    := env HVDC_TWO_RANKS=1 horovodrun --gloo -np 2 -H localhost:2
 PYTEST    := -m pytest -q -p no:cacheprovider --color=no --timeout=300
 # No hang may outlive this: a stuck collective fails the run instead of stalling CI.
 LIMIT     := timeout -k 20 1200

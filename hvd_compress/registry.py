@@ -62,6 +62,13 @@ class CodecInfo:
     def linear(self) -> bool:
         return self.collective == "allreduce"
 
+    def average_factors(self, average: bool, world: int) -> tuple[float, float]:
+        """(prescale before the collective, alpha applied when decoding) for a reduction over
+        `world` ranks: averaging divides up front where the codec asks for it, else at decode."""
+        if not average:
+            return 1.0, 1.0
+        return (1.0 / world, 1.0) if self.prescale_average else (1.0, 1.0 / world)
+
     def param(self, name: str) -> Param:
         for p in self.params:
             if p.name == name:

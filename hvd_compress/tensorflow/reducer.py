@@ -80,10 +80,8 @@ class Reducer:
 
         def compressed():
             info = self.codec.info
-            world = self.process_set.size()
-            average = self.op == hvd.Average
-            prescale = 1.0 / world if (average and info.prescale_average) else 1.0
-            alpha = 1.0 / world if (average and prescale == 1.0) else 1.0
+            prescale, alpha = info.average_factors(self.op == hvd.Average,
+                                                   self.process_set.size())
             enc = self.codec.encode(name, grad, prescale=prescale)
             sent = enc.payload.shape.num_elements() * enc.payload.dtype.size
             self.stats.record(name, info.name, nbytes, sent)

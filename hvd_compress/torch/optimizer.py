@@ -76,11 +76,8 @@ class _CompressedReduction:
             return handle, ctx
 
         codec, info = self._hvdc_codec, self._hvdc_codec.info
-        world = self.process_set.size()
-        average = self.op == hvd.Average
-        prescale = 1.0 / world if (average and info.prescale_average) else 1.0
+        prescale, alpha = info.average_factors(self.op == hvd.Average, self.process_set.size())
         enc = codec.encode(name, grad, prescale=prescale)
-        alpha = 1.0 / world if (average and prescale == 1.0) else 1.0
         if info.linear:
             handle = hvd.allreduce_async_(enc.payload, name=name, op=hvd.Sum,
                                           process_set=self.process_set)

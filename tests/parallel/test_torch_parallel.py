@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import numpy_ref as ref
-from helpers import TORCH_DTYPES, n2t, random_grad, same_bits, t2n, two_rank_marker
+from helpers import TORCH_DTYPES, n2t, same_bits, t2n, two_rank_marker
 from simulation import Simulation, grads_for_step, rank_sum
 import hvd_compress as hc
 import hvd_compress.torch as hvdc

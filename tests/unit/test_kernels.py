@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import numpy_ref as ref
-from helpers import n2t, params, payload_bytes, random_grad, same_bits, t2n
+from helpers import params, payload_bytes, random_grad, same_bits, t2n
 from hvd_compress.torch import _C
 
 DTYPES = ["float32", "float16", "bfloat16", "float64"]

@@ -120,3 +120,9 @@ def test_kernel_fields_resolve_k_per_tensor():
     assert hc.parse_spec("randomk,k=50,rescale=true").kernel_fields(20) == {"k": 20, "rescale": True}
     assert hc.parse_spec("minmax8,chunk=64").kernel_fields(5) == {"chunk": 64}
     assert hc.parse_spec("fp16").kernel_fields(5) == {}
+
+
+def test_average_factors():
+    assert hc.get_codec("fp16").average_factors(True, 4) == (0.25, 1.0)  # divide before the sum
+    assert hc.get_codec("topk").average_factors(True, 4) == (1.0, 0.25)  # divide when decoding
+    assert hc.get_codec("fp16").average_factors(False, 4) == (1.0, 1.0)
