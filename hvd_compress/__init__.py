@@ -8,8 +8,8 @@ from .registry import CodecInfo, Param, codecs, get_codec
 from .spec import CompressionConfig, parse_spec
 from .state import StateStore
 from .stats import CompressionStats
-from .seeds import derive_seed
+from .seeds import derive_seed, seed_name
 
 __all__ = ["CodecInfo", "Param", "codecs", "get_codec", "CompressionConfig", "parse_spec",
-           "StateStore", "CompressionStats", "derive_seed"]
+           "StateStore", "CompressionStats", "derive_seed", "seed_name"]
 __version__ = "0.1.0"

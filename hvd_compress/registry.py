@@ -23,9 +23,18 @@ class Param:
     valid: str
     doc: str
     check: Callable[[Any], bool] = field(default=lambda v: True, compare=False)
+    choices: tuple[str, ...] = ()  # a named choice; the kernel gets its position
 
     def describe(self) -> str:
         return f"{self.name} ({self.valid}, default {self.default!r})"
+
+    def kernel_value(self, value: Any) -> Any:
+        return self.choices.index(value) if self.choices else value
+
+
+def choice(name: str, choices: tuple[str, ...], doc: str) -> Param:
+    return Param(name, str, choices[0], " or ".join(choices), doc, lambda v: v in choices,
+                 choices)
 
 
 @dataclass(frozen=True)
@@ -38,6 +47,10 @@ class CodecInfo:
     (sign of the vote, signSGD). Allreduce codecs sum (then average) their payloads.
     builtin_ef: error feedback is part of the codec (efsignsgd); ef=none is refused.
     uses_seed: the codec draws random numbers from the spec's seed (randomk).
+    seed_per_rank: the draws differ between ranks (stochastic rounding: independent noise
+    averages out), else every rank draws the same (randomk: the same indices everywhere).
+    fixed: kernel fields the codec sets itself (qsgd and terngrad are fixed dithering settings).
+    rejects: (decorator setting, why) pairs the spec refuses, e.g. ("momentum=nesterov", ...).
     prescale_average: with op=Average the payload is divided by the world size before the sum
     (fp16: the sum of many ranks could overflow half precision).
     """
@@ -57,6 +70,9 @@ class CodecInfo:
     collective_note: str = ""
     wire_dtype: str | None = None  # allreduce payload element type; None: the gradient's
     ef_carry: int = 0  # floats of lazy error-feedback state beside the residual (sign codecs)
+    seed_per_rank: bool = False
+    fixed: tuple[tuple[str, Any], ...] = ()
+    rejects: tuple[tuple[str, str], ...] = ()
 
     @property
     def linear(self) -> bool:
@@ -93,6 +109,18 @@ K_PARAM = Param("k", float, 0.01, "a fraction in (0, 1) or an integer count >= 1
                 "elements kept: k < 1 is a fraction of the tensor, k >= 1 a count", _k_ok)
 SCALING = Param("scaling", bool, True, "true or false",
                 "decode to +-mean|x| (true) or +-1 (false)")
+PARTITION = ("linear", "natural")
+NORMALIZE = ("max", "l2", "clipped")  # "clipped" is TernGrad's, set by that codec only
+
+
+def levels_param(default: int) -> Param:
+    return Param("s", int, default, "an integer in [1, 127]",
+                 "quantisation levels per sign", lambda v: 1 <= v <= 127)
+
+
+def code_bits(s: int) -> int:
+    """Bits of one dithering code: values -s..s, stored offset by s."""
+    return (2 * s).bit_length()
 
 _REGISTRY: dict[str, CodecInfo] = {}
 
@@ -159,11 +187,14 @@ register(CodecInfo(
 register(CodecInfo(
     name="randomk", kernel_id=7, collective="allreduce", aggregation="mean",
     params=(K_PARAM, Param("rescale", bool, False, "true or false",
-                           "multiply kept values by n/k (unbiased; leave off with ef)")),
+                           "multiply kept values by n/k (unbiased; not with ef)")),
     wire="k values in the gradient dtype; indices regenerated from the shared seed",
     doc="one random element per stratum of ~n/k, indices from (seed, step, parameter name) "
         "identical on all ranks, so values are allreduced and no index is sent",
-    bits_per_element=lambda isz: 8 * isz, uses_seed=True))
+    bits_per_element=lambda isz: 8 * isz, uses_seed=True,
+    rejects=(("rescale=true,ef=vanilla",
+              "error feedback would carry the n/k-scaled values back as residual and grow them "
+              "every step; use rescale=true without ef, or ef=vanilla with rescale=false"),)))
 register(CodecInfo(
     name="minmax8", kernel_id=8, collective="allgather", aggregation="mean",
     params=(Param("chunk", int, 4096, "an integer in [1, 2^31-1]",
@@ -172,6 +203,40 @@ register(CodecInfo(
     doc="8-bit min-max quantisation (Bagua ByteGrad): per chunk, 256 evenly spaced levels "
         "between its min and max, rounded to nearest",
     bits_per_element=lambda isz: 8.0 + 64.0 / 4096))  # + a min/max pair per default chunk
+
+_DITHER_WIRE = ("[u32 tag][u8 s, partition, normalize, 0][f32 norm][u32 0][codes s+-level, "
+                "bit width of 2s each, 8 codes per that many bytes]")
+register(CodecInfo(
+    name="dithering", kernel_id=9, collective="allgather", aggregation="mean",
+    params=(levels_param(8),
+            choice("partition", PARTITION, "level spacing: l/s, or 0 and 2^(l-s)"),
+            Param("normalize", str, "max", "max or l2", "what |x| is divided by",
+                  lambda v: v in ("max", "l2"), NORMALIZE)),
+    wire=_DITHER_WIRE,
+    doc="random dithering (Horvath et al. 2019): |x|/norm rounded stochastically to one of s "
+        "levels, unbiased; codes bit-packed",
+    bits_per_element=lambda isz: float(code_bits(8)), uses_seed=True, seed_per_rank=True))
+register(CodecInfo(
+    name="qsgd", kernel_id=9, collective="allgather", aggregation="mean",
+    params=(levels_param(127),), wire=_DITHER_WIRE,
+    doc="QSGD (Alistarh et al. 2017): dithering with s linear levels of |x|/||x||_2",
+    bits_per_element=lambda isz: float(code_bits(127)), uses_seed=True, seed_per_rank=True,
+    fixed=(("partition", 0), ("normalize", 1))))
+register(CodecInfo(
+    name="terngrad", kernel_id=9, collective="allgather", aggregation="mean",
+    params=(Param("clip", float, 2.5, "a number > 0",
+                  "clip |x| at clip * std(x) before scaling (Wen et al.)", lambda v: v > 0),),
+    wire=_DITHER_WIRE,
+    doc="TernGrad (Wen et al. 2017): {-1, 0, +1} x max|x| after clipping at clip * std(x), "
+        "stochastic and unbiased for the clipped gradient",
+    bits_per_element=lambda isz: float(code_bits(1)), uses_seed=True, seed_per_rank=True,
+    fixed=(("s", 1), ("partition", 0), ("normalize", 2))))
+register(CodecInfo(
+    name="natural", kernel_id=10, collective="allgather", aggregation="mean", params=(),
+    wire="[u32 tag][i32 top exponent][u8 sign << 7 | exponent code per element]",
+    doc="natural compression (Horvath et al. 2019): stochastic rounding to a power of two, "
+        "unbiased; sign and 7-bit exponent in one byte",
+    bits_per_element=lambda isz: 8.0, uses_seed=True, seed_per_rank=True))
 
 
 def codec_table() -> str:
@@ -184,7 +249,7 @@ def codec_table() -> str:
         if c.builtin_ef:
             params += "; error feedback built in"
         if c.uses_seed:
-            params += "; uses `seed`"
+            params += "; uses `seed`" + (" (per rank)" if c.seed_per_rank else "")
         if "k" in [p.name for p in c.params]:
             per_kept = c.bits_per_element(4) / 8
             wire = f"{per_kept:g} per kept element ({per_kept * 0.01:g} at k=0.01)"

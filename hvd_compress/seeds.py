@@ -28,3 +28,9 @@ def seed_base(seed: int, name: str) -> int:
 def derive_seed(seed: int, name: str, step: int) -> int:
     """64-bit kernel seed for one parameter at one step."""
     return _mix64((seed_base(seed, name) + step * 0x9E3779B97F4A7C15) & _MASK)
+
+
+def seed_name(name: str, rank: int, per_rank: bool) -> str:
+    """The name seeds are derived from: the parameter's own, or per rank for codecs whose draws
+    must be independent across ranks (registry: seed_per_rank)."""
+    return f"{name}@rank{rank}" if per_rank else name

@@ -44,8 +44,10 @@ class CompressionConfig:
         parameter is a kernel field of the same name (hvdc::Params, the TF op attributes);
         `k` is first resolved from a fraction to a count."""
         params = self.param_dict
-        return {name: self.info.kept(params, n) if name == "k" else value
-                for name, value in params.items()}
+        fields = {p.name: self.info.kept(params, n) if p.name == "k"
+                  else p.kernel_value(params[p.name]) for p in self.info.params}
+        fields.update(self.info.fixed)
+        return fields
 
     def canonical(self) -> str:
         """The spec as a string with every default spelled out; equal configs, equal strings."""
@@ -186,9 +188,19 @@ def parse_spec(spec: Any) -> CompressionConfig:
         else:
             value = p.default
         params.append((p.name, value))
+    _check_rejects(info, dict(params), ef, momentum)
     if items:
         bad = sorted(items)[0]
         valid = [p.describe() for p in info.params] + list(DECORATOR_KEYS)
         raise ValueError(f"codec {info.name!r} has no parameter {bad!r}; valid: {', '.join(valid)}")
     return CompressionConfig(codec=info.name, params=tuple(params), ef=ef, momentum=momentum,
                              mu=mu, seed=seed)
+
+
+def _check_rejects(info: CodecInfo, params: dict, ef: str, momentum: str) -> None:
+    """Refuse combinations the codec's registry entry names as meaningless."""
+    settings = {k: _fmt(v) for k, v in params.items()}
+    settings.update(ef=ef, momentum=momentum)
+    for combo, why in info.rejects:
+        if all(settings.get(k) == v for k, v in (c.split("=") for c in combo.split(","))):
+            raise ValueError(f"{info.name} with {combo} is refused: {why}")

@@ -38,10 +38,12 @@ def random_grad(n: int, dtype: str, seed: int = 0) -> torch.Tensor:
 
 
 def params(k: int = 0, seed: int = 0, scaling: bool = True, prescale: float = 1.0,
-           rescale: bool = False, chunk: int = 4096) -> _C.Params:
+           rescale: bool = False, chunk: int = 4096, **fields) -> _C.Params:
     p = _C.Params()
     p.k, p.seed, p.scaling, p.prescale, p.rescale = k, seed, scaling, prescale, rescale
     p.chunk = chunk
+    for name, value in fields.items():
+        setattr(p, name, value)
     return p
 
 

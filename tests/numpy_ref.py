@@ -13,7 +13,14 @@ import numpy as np
 
 DTYPE_CODE = {"float32": 0, "float16": 1, "bfloat16": 2, "float64": 3}
 CODEC_ID = {"none": 0, "fp16": 1, "bf16": 2, "onebit": 3, "signsgd": 4, "efsignsgd": 5,
-            "topk": 6, "randomk": 7, "minmax8": 8}
+            "topk": 6, "randomk": 7, "minmax8": 8, "dithering": 9, "qsgd": 9, "terngrad": 9,
+            "natural": 10}
+# qsgd and terngrad are dithering with these settings (QSGD: L2 norm; TernGrad: one level of
+# the max after clipping at clip * std).
+DITHER_FIXED = {"dithering": {}, "qsgd": {"partition": 0, "normalize": 1},
+                "terngrad": {"s": 1, "partition": 0, "normalize": 2}}
+DITHER_DEFAULTS = {"s": 8, "partition": 0, "normalize": 0, "clip": 2.5}
+INT32_MIN = -2**31
 MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 
 
@@ -80,6 +87,107 @@ def randomk_strata(n: int, k: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     return lo + offset.astype(np.int64), (hi - lo)
 
 
+# ---- stochastic rounding ------------------------------------------------------------------
+def uniform(seed: int, n: int) -> np.ndarray:
+    """Per-element uniforms in [0, 1) on a 2^-24 grid: murmur3's finaliser of
+    (i * 0x9e3779b1 + low32(seed)) ^ high32(seed), all in uint32, top 24 bits."""
+    i = (np.arange(n, dtype=np.uint64) & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+    with np.errstate(over="ignore"):
+        h = (i * np.uint32(0x9E3779B1) + np.uint32(seed & 0xFFFFFFFF)) ^ np.uint32(seed >> 32)
+        h ^= h >> np.uint32(16)
+        h *= np.uint32(0x85EBCA6B)
+        h ^= h >> np.uint32(13)
+        h *= np.uint32(0xC2B2AE35)
+        h ^= h >> np.uint32(16)
+    return (h >> np.uint32(8)).astype(np.float32) * np.float32(2.0 ** -24)
+
+
+def lane_sums(v: np.ndarray) -> float:
+    """Sum in float64 over 16 lanes (lane = index mod 16), each in index order, then pairwise."""
+    rows = np.zeros(((v.size + 15) // 16) * 16, np.float64)
+    rows[:v.size] = v
+    lanes = np.cumsum(rows.reshape(-1, 16), axis=0)[-1] if v.size else np.zeros(16)
+    while lanes.size > 1:
+        lanes = lanes[0::2] + lanes[1::2]
+    return float(lanes[0])
+
+
+def dither_norm(xv: np.ndarray, normalize: int, clip: float) -> np.float32:
+    if not np.isfinite(xv).all():
+        return np.float32(np.nan)
+    mx = np.abs(xv).max() if xv.size else np.float32(0)
+    if normalize == 0 or xv.size == 0:
+        return np.float32(mx)
+    d = xv.astype(np.float64)
+    sumsq = lane_sums(d * d)
+    if normalize == 1:
+        return np.float32(np.sqrt(sumsq))
+    mean = lane_sums(d) / xv.size
+    var = max(0.0, sumsq / xv.size - mean * mean)
+    bound = np.float32(float(np.float32(clip)) * np.sqrt(var))
+    return min(np.float32(mx), bound) if bound > 0 else np.float32(mx)
+
+
+def dither_bits(s: int) -> int:
+    return (2 * s).bit_length()
+
+
+def dither_codes(xv: np.ndarray, norm: np.float32, s: int, partition: int, seed: int):
+    n = xv.size
+    if not (norm > 0) or not np.isfinite(norm):
+        return np.full(n, s, np.int64)
+    u = uniform(seed, n)
+    if partition == 0:  # t = min(|x| * (s / norm), s)
+        t = np.minimum(np.abs(xv) * (np.float32(s) / norm), np.float32(s))
+        f = np.floor(t)
+        lev = f.astype(np.int64) + (u < t - f)
+    else:
+        a = np.minimum(np.abs(xv) * (np.float32(1) / norm), np.float32(1))
+        m, e = np.frexp(a)  # a = m * 2^e, m in [0.5, 1): a's exponent is e - 1
+        frac = m * np.float32(2) - np.float32(1)
+        main = (e - 1).astype(np.int64) + s + (u < frac)
+        tail = (u < a * np.float32(2.0 ** (s - 1))).astype(np.int64)
+        lev = np.where(a < np.float32(2.0 ** (1 - s)), tail, main)
+    return np.where(xv < 0, s - lev, s + lev)
+
+
+def pack_codes(codes: np.ndarray, b: int) -> bytes:
+    groups = (codes.size + 7) // 8
+    padded = np.zeros(groups * 8, np.uint64)
+    padded[:codes.size] = codes
+    shifts = (np.arange(8, dtype=np.uint64) * np.uint64(b))
+    w = np.bitwise_or.reduce(padded.reshape(-1, 8) << shifts, axis=1) if groups else padded
+    out = w.astype("<u8").view(np.uint8).reshape(-1, 8)[:, :b].tobytes()
+    return out + b"\0" * ((len(out) + 7) // 8 * 8 - len(out))
+
+
+def unpack_codes(data: bytes, n: int, b: int) -> np.ndarray:
+    groups = (n + 7) // 8
+    raw = np.frombuffer(data[:groups * b], np.uint8).reshape(groups, b)
+    words = np.zeros((groups, 8), np.uint8)
+    words[:, :b] = raw
+    w = words.view("<u8").reshape(-1)
+    shifts = np.arange(8, dtype=np.uint64) * np.uint64(b)
+    return ((w[:, None] >> shifts) & np.uint64((1 << b) - 1)).reshape(-1)[:n].astype(np.int64)
+
+
+def natural_parts(xv: np.ndarray, seed: int) -> tuple[int, np.ndarray]:
+    a = np.abs(xv.astype(np.float64))
+    if not np.isfinite(a).all():
+        return INT32_MIN, np.zeros(xv.size, np.int64)
+    mx = a.max() if a.size else 0.0
+    if mx == 0:
+        return 0, np.zeros(xv.size, np.int64)
+    top = int(np.frexp(mx)[1])  # one above the exponent of mx
+    lowest = max(top - 126, -1022)
+    u = uniform(seed, xv.size).astype(np.float64)
+    m, e = np.frexp(a)
+    main = (e - 1).astype(np.int64) - (top - 127) + (u < 2 * m - 1)
+    tail = np.where(u < np.ldexp(a, -lowest), lowest - (top - 127), 0)
+    c = np.where(a == 0, 0, np.where(a < np.ldexp(1.0, lowest), tail, main))
+    return top, np.where(xv < 0, 0x80, 0) | c
+
+
 # ---- codecs --------------------------------------------------------------------------------
 def kept(k_param: float, n: int) -> int:
     if k_param < 1:
@@ -88,7 +196,7 @@ def kept(k_param: float, n: int) -> int:
 
 
 def encode(codec: str, x: np.ndarray, dtype: str, *, k: int = 0, seed: int = 0,
-           scaling: bool = True, prescale: float = 1.0, chunk: int = 4096) -> bytes:
+           scaling: bool = True, prescale: float = 1.0, chunk: int = 4096, **dither) -> bytes:
     n = x.size
     if codec == "none":
         return x.tobytes()
@@ -134,6 +242,17 @@ def encode(codec: str, x: np.ndarray, dtype: str, *, k: int = 0, seed: int = 0,
         pad = b"\0" * ((n + 7) // 8 * 8 - n)
         return (struct.pack("<II", tag(codec, dtype), chunk) +
                 np.array(bounds, np.float32).tobytes() + codes.tobytes() + pad)
+    if codec in DITHER_FIXED:
+        f = {**DITHER_DEFAULTS, **dither, **DITHER_FIXED[codec]}
+        xv = to_acc(x, dtype).astype(np.float32)
+        norm = dither_norm(xv, f["normalize"], f["clip"])
+        codes = dither_codes(xv, norm, f["s"], f["partition"], seed)
+        return (struct.pack("<IBBBBfI", tag(codec, dtype), f["s"], f["partition"], f["normalize"], 0,
+                            float(norm), 0) + pack_codes(codes, dither_bits(f["s"])))
+    if codec == "natural":
+        top, codes = natural_parts(to_acc(x, dtype), seed)
+        pad = b"\0" * ((n + 7) // 8 * 8 - n)
+        return struct.pack("<Ii", tag(codec, dtype), top) + codes.astype(np.uint8).tobytes() + pad
     raise KeyError(codec)
 
 
@@ -186,6 +305,26 @@ def decoded_terms(codec: str, payload: bytes, n: int, dtype: str, alpha: float, 
             seg = codes[j * c:(j + 1) * c].astype(np.float32)
             vals[j * c:(j + 1) * c] = lo + seg * step
         return np.arange(n), a * vals.astype(A)
+    if codec in DITHER_FIXED:
+        _, s, part, _, norm = struct.unpack("<IBBBxf", payload[:12])
+        codes = unpack_codes(payload[16:], n, dither_bits(s))
+        lev = np.abs(codes - s)
+        if part == 0:
+            mag = lev.astype(np.float32) * (np.float32(norm) / np.float32(s))
+        else:
+            mag = np.where(lev == 0, np.float32(0),
+                           np.ldexp(np.float32(1), (lev - s).astype(np.int32))) * np.float32(norm)
+        v = np.where(codes < s, -mag, mag).astype(np.float32)
+        return np.arange(n), a * v.astype(A)
+    if codec == "natural":
+        _, top = struct.unpack("<Ii", payload[:8])
+        codes = np.frombuffer(payload[8:8 + n], np.uint8).astype(np.int64)
+        mag_code = codes & 0x7F
+        if top == INT32_MIN:
+            mag = np.full(n, np.nan, A)
+        else:
+            mag = np.where(mag_code == 0, 0.0, np.ldexp(1.0, top - 127 + mag_code)).astype(A)
+        return np.arange(n), a * np.where(codes & 0x80, -mag, mag)
     if codec == "randomk":
         idx, size = randomk_strata(n, k, seed)
         v = to_acc(np.frombuffer(payload, _np_dtype(dtype)), dtype)
@@ -199,7 +338,7 @@ def decode(codec: str, payload: bytes, n: int, dtype: str, alpha: float = 1.0,
            out: np.ndarray | None = None, **kw) -> np.ndarray:
     """out = alpha * D(payload), or out + alpha * D(payload) when out is given."""
     idx, terms = decoded_terms(codec, payload, n, dtype, alpha, **kw)
-    if out is None and codec not in ("topk", "randomk", "minmax8"):
+    if out is None and codec not in ("topk", "randomk", "minmax8", "natural", *DITHER_FIXED):
         return from_acc(terms, dtype)  # dense codecs write alpha * D directly
     base = zeros(n, dtype) if out is None else out
     acc = to_acc(base, dtype).copy()
@@ -239,7 +378,8 @@ def nesterov(x: np.ndarray, m: np.ndarray, mu: float, dtype: str):
 def ef_encode(codec: str, x: np.ndarray, e: np.ndarray, dtype: str, prescale: float = 1.0, **kw):
     """Vanilla error feedback: p = x + e; c = C(p); e = p - D(c). Returns (payload, new e)."""
     p = from_acc(to_acc(x, dtype) + to_acc(e, dtype), dtype)
-    enc_kw = {k: v for k, v in kw.items() if k in ("k", "seed", "scaling", "chunk")}
+    enc_kw = {k: v for k, v in kw.items()
+              if k in ("k", "seed", "scaling", "chunk", "s", "partition", "normalize", "clip")}
     payload = encode(codec, p, dtype, prescale=prescale, **enc_kw)
     dec_kw = {k: v for k, v in kw.items() if k in ("k", "seed", "rescale")}
     return payload, decode(codec, payload, x.size, dtype, -1.0 / prescale, out=p, **dec_kw)

@@ -22,14 +22,17 @@ class Simulation:
 
     def __call__(self, grads):
         cfg, dtype, n = self.cfg, self.dtype, self.n
-        seed = hc.derive_seed(cfg.seed, self.name, self.step) if cfg.info.uses_seed else 0
-        self.step += 1
+        info = cfg.info
+
+        def seed(r):
+            key = hc.seed_name(self.name, r, info.seed_per_rank)
+            return hc.derive_seed(cfg.seed, key, self.step) if info.uses_seed else 0
         if cfg.codec == "none":  # Horovod's own Average: sum, then times 1/size
             acc = rank_sum([ref.to_acc(g, dtype) for g in grads])
             return ref.from_acc(acc * ref.acc_type(dtype)(1.0 / self.world), dtype)
         prescale = 1.0 / self.world if cfg.info.prescale_average else 1.0
-        scaling = cfg.param_dict.get("scaling", True)
-        chunk = cfg.param_dict.get("chunk", 4096)
+        fields = {**cfg.kernel_fields(n)}
+        fields.pop("rescale", None)
         payloads = []
         for r, g in enumerate(grads):
             x = g
@@ -37,11 +40,12 @@ class Simulation:
                 x, self.m[r] = ref.nesterov(x, self.m[r], cfg.mu, dtype)
             if cfg.ef == "vanilla":
                 pl, self.e[r] = ref.ef_encode(cfg.codec, x, self.e[r], dtype, prescale=prescale,
-                                              k=self.k, seed=seed, scaling=scaling, chunk=chunk)
+                                              seed=seed(r), **fields)
             else:
-                pl = ref.encode(cfg.codec, x, dtype, k=self.k, seed=seed, scaling=scaling,
-                                prescale=prescale, chunk=chunk)
+                pl = ref.encode(cfg.codec, x, dtype, seed=seed(r), prescale=prescale, **fields)
             payloads.append(pl)
+        seed0 = seed(0)
+        self.step += 1
         if cfg.codec == "fp16":  # half sum of pre-divided halves
             hs = [np.frombuffer(pl, np.float16).astype(np.float32) for pl in payloads]
             summed = rank_sum(hs).astype(np.float16).tobytes()
@@ -49,7 +53,7 @@ class Simulation:
         if cfg.codec == "randomk":
             vals = [ref.to_acc(np.frombuffer(pl, ref._np_dtype(dtype)), dtype) for pl in payloads]
             summed = ref.from_acc(rank_sum(vals), dtype).tobytes()
-            return ref.decode("randomk", summed, n, dtype, 1.0 / self.world, k=self.k, seed=seed)
+            return ref.decode("randomk", summed, n, dtype, 1.0 / self.world, k=self.k, seed=seed0)
         return ref.aggregate(cfg.codec, payloads, n, dtype, 1.0 / self.world, k=self.k)
 
 

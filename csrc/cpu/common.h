@@ -154,5 +154,15 @@ void decode(DType d, const void* payload, int64_t n, const Params& p, void* out,
 void aggregate(DType d, const void* payloads, int64_t ranks, int64_t stride, int64_t n,
                const Params& p, void* out, double alpha, bool acc);
 }  // namespace minmax8
+namespace quant {
+int64_t dither_payload_bytes(int64_t n, int64_t s);
+void dither_encode(DType d, const void* x, int64_t n, const Params& p, void* payload);
+void dither_aggregate(DType d, const void* payloads, int64_t ranks, int64_t stride, int64_t n,
+                      const Params& p, void* out, double alpha, bool acc);
+int64_t natural_payload_bytes(int64_t n);
+void natural_encode(DType d, const void* x, int64_t n, const Params& p, void* payload);
+void natural_aggregate(DType d, const void* payloads, int64_t ranks, int64_t stride, int64_t n,
+                       void* out, double alpha, bool acc);
+}  // namespace quant
 
 }  // namespace hvdc

@@ -18,9 +18,12 @@ const char* codec_name(CodecId c) {
     case kTopK: return "topk";
     case kRandomK: return "randomk";
     case kMinMax8: return "minmax8";
+    case kDither: return "dither";
+    case kNatural: return "natural";
   }
   throw KernelError("unknown codec id " + std::to_string(static_cast<int>(c)) +
-                    " (valid: 0..8: none, fp16, bf16, onebit, signsgd, efsignsgd, topk, randomk, minmax8)");
+                    " (valid: 0..10: none, fp16, bf16, onebit, signsgd, efsignsgd, topk, randomk, "
+                    "minmax8, dither, natural)");
 }
 
 bool is_sign(CodecId c) { return c == kOnebit || c == kSignSGD || c == kEFSignSGD; }
@@ -35,6 +38,18 @@ void check_common(CodecId c, DType d, int64_t n, const Params& p) {
   if (n < 0) throw KernelError("element count must be >= 0, got " + std::to_string(n));
   if (c == kMinMax8 && (p.chunk < 1 || p.chunk > 0x7fffffffLL))
     throw KernelError("minmax8: chunk must be in [1, 2^31-1], got " + std::to_string(p.chunk));
+  if (c == kDither) {
+    if (p.s < 1 || p.s > 127)
+      throw KernelError("dithering: s (levels) must be in [1, 127], got " + std::to_string(p.s));
+    if (p.partition != kLinear && p.partition != kNaturalLevels)
+      throw KernelError("dithering: partition code must be 0 (linear) or 1 (natural), got " +
+                        std::to_string(p.partition));
+    if (p.normalize != kMax && p.normalize != kL2 && p.normalize != kClipSigma)
+      throw KernelError("dithering: normalize code must be 0 (max), 1 (l2) or 2 (clipped max), got " +
+                        std::to_string(p.normalize));
+    if (p.normalize == kClipSigma && !(p.clip > 0.0))
+      throw KernelError("dithering: clip must be > 0, got " + std::to_string(p.clip));
+  }
   if (c == kTopK || c == kRandomK) {
     if (p.k < 0 || p.k > n)
       throw KernelError(std::string(codec_name(c)) + ": k must be in [0, n] = [0, " +
@@ -68,6 +83,8 @@ int64_t payload_bytes(CodecId c, DType d, int64_t n, const Params& p) {
   if (is_sign(c)) return sign::payload_bytes(n);
   if (c == kTopK) return topk::payload_bytes(d, p.k);
   if (c == kMinMax8) return minmax8::payload_bytes(n, p.chunk);
+  if (c == kDither) return quant::dither_payload_bytes(n, p.s);
+  if (c == kNatural) return quant::natural_payload_bytes(n);
   return p.k * dtype_size(d);  // randomk
 }
 
@@ -85,6 +102,8 @@ void encode(CodecId c, DType d, const void* x, int64_t n, const Params& p, void*
   if (is_sign(c)) return sign::encode(c, d, x, n, p, payload);
   if (c == kTopK) return topk::encode(d, x, n, p, payload);
   if (c == kMinMax8) return minmax8::encode(d, x, n, p, payload);
+  if (c == kDither) return quant::dither_encode(d, x, n, p, payload);
+  if (c == kNatural) return quant::natural_encode(d, x, n, p, payload);
   return randomk::encode(d, x, n, p, payload);
 }
 
@@ -95,6 +114,12 @@ void decode(CodecId c, DType d, const void* payload, int64_t n, const Params& p,
   if (is_sign(c)) return sign::decode(c, d, payload, n, out, alpha, accumulate);
   if (c == kTopK) return topk::decode(d, payload, n, p, out, alpha, accumulate);
   if (c == kMinMax8) return minmax8::decode(d, payload, n, p, out, alpha, accumulate);
+  if (c == kDither)
+    return quant::dither_aggregate(d, payload, 1, payload_bytes(c, d, n, p), n, p, out, alpha,
+                                   accumulate);
+  if (c == kNatural)
+    return quant::natural_aggregate(d, payload, 1, payload_bytes(c, d, n, p), n, out, alpha,
+                                    accumulate);
   return randomk::decode(d, payload, n, p, out, alpha, accumulate);
 }
 
@@ -111,6 +136,8 @@ void aggregate(CodecId c, DType d, const void* payloads, int64_t ranks, int64_t 
   if (c == kTopK) return topk::aggregate(d, payloads, ranks, stride, n, p, out, alpha);
   if (c == kMinMax8)
     return minmax8::aggregate(d, payloads, ranks, stride, n, p, out, alpha, false);
+  if (c == kDither) return quant::dither_aggregate(d, payloads, ranks, stride, n, p, out, alpha, false);
+  if (c == kNatural) return quant::natural_aggregate(d, payloads, ranks, stride, n, out, alpha, false);
   throw KernelError(std::string(codec_name(c)) +
                     " payloads are reduced by allreduce, not aggregated locally");
 }

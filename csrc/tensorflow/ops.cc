@@ -56,19 +56,37 @@ bool to_hvdc(DataType t, hvdc::DType* out) {
   }
 }
 
+// The codec attributes (HVDC_CODEC_ATTRS) as kernel parameters; Ctx is an op's construction
+// context or a shape-inference context.
+template <class Ctx>
+tensorflow::Status read_params(Ctx* c, int* codec, hvdc::Params* p) {
+  tensorflow::int64 k = 0, chunk = 0, s = 0, partition = 0, normalize = 0;
+  TF_RETURN_IF_ERROR(c->GetAttr("codec", codec));
+  TF_RETURN_IF_ERROR(c->GetAttr("k", &k));
+  TF_RETURN_IF_ERROR(c->GetAttr("scaling", &p->scaling));
+  TF_RETURN_IF_ERROR(c->GetAttr("rescale", &p->rescale));
+  TF_RETURN_IF_ERROR(c->GetAttr("chunk", &chunk));
+  TF_RETURN_IF_ERROR(c->GetAttr("s", &s));
+  TF_RETURN_IF_ERROR(c->GetAttr("partition", &partition));
+  TF_RETURN_IF_ERROR(c->GetAttr("normalize", &normalize));
+  float clip = 2.5f;
+  TF_RETURN_IF_ERROR(c->GetAttr("clip", &clip));
+  p->clip = clip;
+  p->k = k;
+  p->chunk = chunk;
+  p->s = s;
+  p->partition = partition;
+  p->normalize = normalize;
+  return tensorflow::OkStatus();
+}
+
 // Attributes shared by the codec ops: which codec and its kernel parameters.
 class CodecOp : public OpKernel {
  public:
   explicit CodecOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    tensorflow::int64 k = 0, base = 0, chunk = 0;
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("codec", &codec_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("k", &k));
+    OP_REQUIRES_OK(ctx, read_params(ctx, &codec_, &params_));
+    tensorflow::int64 base = 0;
     OP_REQUIRES_OK(ctx, ctx->GetAttr("seed_base", &base));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("scaling", &params_.scaling));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("rescale", &params_.rescale));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("chunk", &chunk));
-    params_.k = k;
-    params_.chunk = chunk;
     seed_base_ = static_cast<uint64_t>(base);
   }
 
@@ -283,17 +301,11 @@ class NesterovOp : public OpKernel {
 // (Horovod's allgather and the stats need them).
 tensorflow::Status payload_shape(InferenceContext* c) {
   int codec = 0;
-  tensorflow::int64 k = 0;
+  hvdc::Params p;
   DataType t, w;
-  bool scaling = true, rescale = false;
-  TF_RETURN_IF_ERROR(c->GetAttr("codec", &codec));
-  TF_RETURN_IF_ERROR(c->GetAttr("k", &k));
+  TF_RETURN_IF_ERROR(read_params(c, &codec, &p));
   TF_RETURN_IF_ERROR(c->GetAttr("T", &t));
   TF_RETURN_IF_ERROR(c->GetAttr("W", &w));
-  TF_RETURN_IF_ERROR(c->GetAttr("scaling", &scaling));
-  TF_RETURN_IF_ERROR(c->GetAttr("rescale", &rescale));
-  tensorflow::int64 chunk = 4096;
-  TF_RETURN_IF_ERROR(c->GetAttr("chunk", &chunk));
   auto x = c->input(0);
   hvdc::DType d;
   if (!c->FullyDefined(x) || !to_hvdc(t, &d)) {
@@ -302,11 +314,6 @@ tensorflow::Status payload_shape(InferenceContext* c) {
   }
   int64_t n = 1;
   for (int i = 0; i < c->Rank(x); ++i) n *= c->Value(c->Dim(x, i));
-  hvdc::Params p;
-  p.k = k;
-  p.scaling = scaling;
-  p.rescale = rescale;
-  p.chunk = chunk;
   try {
     const int64_t bytes = hvdc::payload_bytes(static_cast<hvdc::CodecId>(codec), d, n, p);
     c->set_output(0, c->Vector(bytes / tensorflow::DataTypeSize(w)));
@@ -341,7 +348,11 @@ class CodecTimeOp : public OpKernel {
       .Attr("seed_base: int = 0")                             \
       .Attr("scaling: bool = true")                           \
       .Attr("rescale: bool = false")                          \
-      .Attr("chunk: int = 4096")
+      .Attr("chunk: int = 4096")                              \
+      .Attr("s: int = 8")                                     \
+      .Attr("partition: int = 0")                             \
+      .Attr("normalize: int = 0")                             \
+      .Attr("clip: float = 2.5")
 
 REGISTER_OP("HvdcEncode")
     .Input("x: T")

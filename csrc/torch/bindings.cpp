@@ -147,7 +147,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("prescale", &hvdc::Params::prescale)
       .def_readwrite("scaling", &hvdc::Params::scaling)
       .def_readwrite("rescale", &hvdc::Params::rescale)
-      .def_readwrite("chunk", &hvdc::Params::chunk);
+      .def_readwrite("chunk", &hvdc::Params::chunk)
+      .def_readwrite("s", &hvdc::Params::s)
+      .def_readwrite("partition", &hvdc::Params::partition)
+      .def_readwrite("normalize", &hvdc::Params::normalize)
+      .def_readwrite("clip", &hvdc::Params::clip);
   py::register_exception<hvdc::KernelError>(m, "KernelError", PyExc_ValueError);
   using G = py::call_guard<py::gil_scoped_release>;
   m.def("new_payload", &new_payload, G());

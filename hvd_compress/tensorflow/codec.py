@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import tensorflow as tf
 
-from ..seeds import seed_base
+from ..seeds import seed_base, seed_name
 from ..spec import CompressionConfig
 from ..state import StateStore
 from .ops import lib
@@ -44,14 +44,16 @@ class Encoded:
 
 
 class TFCodec:
-    def __init__(self, config: CompressionConfig, store: StateStore | None):
+    def __init__(self, config: CompressionConfig, store: StateStore | None, rank: int = 0):
         self.config = config
         self.info = config.info
         self.store = store
+        self.rank = rank
 
     def attrs(self, name: str, n: int) -> dict:
         """Op attributes (see CompressionConfig.kernel_fields)."""
-        base = _signed64(seed_base(self.config.seed, name)) if self.info.uses_seed else 0
+        key = seed_name(name, self.rank, self.info.seed_per_rank)
+        base = _signed64(seed_base(self.config.seed, key)) if self.info.uses_seed else 0
         return {"codec": self.info.kernel_id, "seed_base": base, **self.config.kernel_fields(n)}
 
     def wire_dtype(self, dtype: tf.DType) -> tf.DType:

@@ -47,9 +47,12 @@ class Reducer:
         self.op = op
         self.process_set = process_set
         self.store = StateStore(TFAdapter(), spec=config.canonical())
-        self.codec = TFCodec(config, self.store)
+        self.codec = TFCodec(config, self.store, rank=self._rank())
         self.stats = CompressionStats()
         self.enabled = tf.Variable(True, trainable=False, name="hvdc_compression_enabled")
+
+    def _rank(self) -> int:
+        return self.process_set.rank() if self.process_set.included() else 0
 
     def reduce(self, grads, variables):
         return [self._reduce_one(g, v) for g, v in zip(grads, variables)]
@@ -59,7 +62,7 @@ class Reducer:
         carry over by name; callers retrace any tf.function that reduces gradients."""
         self.codec.settle()
         self.config = config
-        self.codec = TFCodec(config, self.store)
+        self.codec = TFCodec(config, self.store, rank=self._rank())
         self.store.spec = config.canonical()
 
     def _plain(self, grad, opname):

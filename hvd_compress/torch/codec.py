@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..seeds import derive_seed
+from ..seeds import derive_seed, seed_name
 from ..spec import CompressionConfig
 from ..state import StateStore
 from . import _C
@@ -46,10 +46,11 @@ class Encoded:
 
 
 class TorchCodec:
-    def __init__(self, config: CompressionConfig, store: StateStore | None):
+    def __init__(self, config: CompressionConfig, store: StateStore | None, rank: int = 0):
         self.config = config
         self.info = config.info
         self.store = store
+        self.rank = rank
 
     def encode(self, name: str, grad: torch.Tensor, *, prescale: float = 1.0) -> Encoded:
         """Momentum and error feedback (when configured), then the codec. May overwrite grad."""
@@ -59,7 +60,7 @@ class TorchCodec:
         seed = 0
         if info.uses_seed:
             step = self.store.next_step(name) if self.store is not None else 0
-            seed = derive_seed(cfg.seed, name, step)
+            seed = derive_seed(cfg.seed, seed_name(name, self.rank, info.seed_per_rank), step)
         kp = kernel_params(cfg, x.numel(), seed=seed, prescale=prescale)
         if cfg.momentum == "nesterov":
             _C.nesterov(x, self._slot(name, "momentum", x), cfg.mu)

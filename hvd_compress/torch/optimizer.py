@@ -55,7 +55,7 @@ class _CompressedReduction:
         self._hvdc_min_bytes = min_compress_bytes
         self._hvdc_store = StateStore(TorchAdapter(), spec=config.canonical())
         self._hvdc_stats = CompressionStats()
-        self._hvdc_codec = TorchCodec(config, self._hvdc_store)
+        self._hvdc_codec = TorchCodec(config, self._hvdc_store, rank=process_set.rank())
         _DistributedOptimizer.__init__(
             self, params, named_parameters, hvd.Compression.none,
             backward_passes_per_step=backward_passes_per_step, op=op,

@@ -24,7 +24,7 @@ WORLD, RANK = hvd.size(), hvd.rank()
 pytestmark = two_rank_marker(WORLD)
 TF_DTYPES = {"float32": tf.float32, "float64": tf.float64}
 CODECS = ["none", "fp16", "bf16", "onebit", "signsgd", "efsignsgd", "topk", "randomk",
-          "minmax8"]
+          "minmax8", "dithering", "qsgd", "terngrad", "natural"]
 
 
 def tape_step(var, g, spec, graph):

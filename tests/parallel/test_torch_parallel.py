@@ -26,7 +26,7 @@ RANK = hvd.rank()
 pytestmark = two_rank_marker(WORLD)
 
 CODECS = ["none", "fp16", "bf16", "onebit", "signsgd", "efsignsgd", "topk", "randomk",
-          "minmax8"]
+          "minmax8", "dithering", "qsgd", "terngrad", "natural"]
 
 
 def single_param_optimizer(spec, n, dtype=torch.float32, **kw):
@@ -60,7 +60,9 @@ def test_aggregate_equals_simulation(codec, dtype):
 
 @pytest.mark.parametrize("spec", ["topk,k=0.02,ef=vanilla", "onebit,ef=vanilla,momentum=nesterov",
                                   "randomk,k=0.1,ef=vanilla,seed=11", "fp16,ef=vanilla",
-                                  "signsgd,momentum=nesterov,mu=0.5", "bf16,ef=vanilla"])
+                                  "signsgd,momentum=nesterov,mu=0.5", "bf16,ef=vanilla",
+                                  "dithering,s=2,partition=natural,ef=vanilla,seed=3",
+                                  "terngrad,momentum=nesterov"])
 def test_error_feedback_and_momentum_equal_simulation(spec):
     n = 4099
     p, opt = single_param_optimizer(spec, n)
@@ -134,7 +136,9 @@ _baseline = {}
 
 @pytest.mark.parametrize("spec", ["fp16", "bf16", "efsignsgd", "onebit,ef=vanilla",
                                   "signsgd,ef=vanilla", "topk,k=0.05,ef=vanilla",
-                                  "randomk,k=0.05,ef=vanilla", "minmax8,ef=vanilla", "topk,k=0.05,ef=vanilla,"
+                                  "randomk,k=0.05,ef=vanilla", "minmax8,ef=vanilla",
+                                  "dithering,ef=vanilla", "qsgd,ef=vanilla", "terngrad,ef=vanilla",
+                                  "natural,ef=vanilla", "topk,k=0.05,ef=vanilla,"
                                   "momentum=nesterov,mu=0.5"])
 def test_training_reaches_uncompressed_loss(spec):
     if "none" not in _baseline:

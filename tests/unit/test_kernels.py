@@ -284,7 +284,7 @@ def test_scalar_and_simd_paths_agree(tmp_path):
         "from helpers import params, random_grad, payload_bytes\n"
         "from hvd_compress.torch import _C\n"
         "out = []\n"
-        "for c in (1, 2, 3, 4, 5, 6, 7, 8):\n"
+        "for c in (1, 2, 3, 4, 5, 6, 7, 8, 9, 10):\n"
         "    for n in (1, 65, 4099, 70001):\n"
         "        x = random_grad(n, 'float32', seed=n)\n"
         "        p = params(k=max(1, n // 50), seed=3)\n"

@@ -57,6 +57,13 @@ def test_defaults_filled_and_canonical_round_trip():
     ("onebit,momentum=nesterov,mu=1.5", "mu must be in [0, 1), got 1.5"),
     ("efsignsgd,ef=none", "efsignsgd has error feedback built in"),
     ("randomk,seed=-4", "seed must be in [0, 2^63)"),
+    ("dithering,partition=log", "dithering: partition must be linear or natural, got 'log'"),
+    ("dithering,s=0", "dithering: s must be an integer in [1, 127], got 0"),
+    ("dithering,normalize=clipped", "dithering: normalize must be max or l2"),
+    ("qsgd,partition=natural", "codec 'qsgd' has no parameter 'partition'"),
+    ("terngrad,clip=0", "terngrad: clip must be a number > 0"),
+    ("randomk,rescale=true,ef=vanilla", "randomk with rescale=true,ef=vanilla is refused: error "
+                                        "feedback would"),
     ({"k": 0.1}, "names no codec"),
     ({"compressor": "topk", "codec": "topk"}, "not both"),
     (42, "must be a string, a dict or a CompressionConfig, got int"),
@@ -70,7 +77,7 @@ def test_bad_specs_name_the_problem(spec, message):
 def test_registry_describes_every_codec():
     names = [c.name for c in hc.codecs()]
     assert names == ["none", "fp16", "bf16", "onebit", "signsgd", "efsignsgd", "topk", "randomk",
-                     "minmax8"]
+                     "minmax8", "dithering", "qsgd", "terngrad", "natural"]
     for c in hc.codecs():
         assert c.collective in ("allreduce", "allgather")
         assert c.aggregation in ("mean", "majority")

@@ -23,7 +23,12 @@ enum CodecId : int32_t {
   kTopK = 6,
   kRandomK = 7,
   kMinMax8 = 8,
+  kDither = 9,    // dithering, qsgd and terngrad are parametrisations of this kernel
+  kNatural = 10,
 };
+
+enum Partition : int32_t { kLinear = 0, kNaturalLevels = 1 };
+enum Normalize : int32_t { kMax = 0, kL2 = 1, kClipSigma = 2 };
 
 struct Params {
   int64_t k = 0;          // topk / randomk: number of elements kept (0 <= k <= n)
@@ -32,6 +37,10 @@ struct Params {
   bool scaling = true;    // sign codecs: scale = mean|x| (else 1)
   bool rescale = false;   // randomk: multiply kept values by the stratum size (unbiased)
   int64_t chunk = 4096;   // minmax8: elements sharing one min/max pair
+  int64_t s = 8;          // dither: quantisation levels per sign (1..127)
+  int64_t partition = kLinear;  // dither: level spacing
+  int64_t normalize = kMax;     // dither: what |x| is divided by
+  double clip = 2.5;      // dither with kClipSigma (TernGrad): clip |x| at clip * std(x)
 };
 
 // Raised for any bad argument; the message names what was wrong.
