@@ -35,7 +35,7 @@ test-parallel: $(STAMP)
 
 # Kernels run twice: on the AVX2 paths and on the portable scalar paths.
 test-unit: $(STAMP)
-	HVDC_FORCE_SCALAR=1 $(LIMIT) $(PY) $(PYTEST) tests/unit/test_kernels.py tests/unit/test_quantizers.py
+	HVDC_FORCE_SCALAR=1 $(LIMIT) $(PY) $(PYTEST) tests/unit/test_kernels.py tests/unit/test_quantizers.py tests/unit/test_sparse.py
 	$(LIMIT) $(PY) $(PYTEST) tests/unit
 
 demo: $(STAMP)

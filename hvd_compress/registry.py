@@ -24,6 +24,7 @@ class Param:
     doc: str
     check: Callable[[Any], bool] = field(default=lambda v: True, compare=False)
     choices: tuple[str, ...] = ()  # a named choice; the kernel gets its position
+    kernel: bool = True  # passed to the kernels (else used by the frontend, e.g. a schedule)
 
     def describe(self) -> str:
         return f"{self.name} ({self.valid}, default {self.default!r})"
@@ -51,6 +52,12 @@ class CodecInfo:
     averages out), else every rank draws the same (randomk: the same indices everywhere).
     fixed: kernel fields the codec sets itself (qsgd and terngrad are fixed dithering settings).
     rejects: (decorator setting, why) pairs the spec refuses, e.g. ("momentum=nesterov", ...).
+    variable_size: payload sizes differ between ranks and steps (threshold): gathered back to
+    back, each payload's header giving its length.
+    state_slots: per-parameter state tensors the kernel updates itself (DGC), kept in the store.
+    min_dim: tensors with fewer dimensions travel uncompressed (DGC compresses weights only).
+    replaces_momentum: the codec applies momentum itself; the optimizer's is turned off.
+    frontends: where the codec runs.
     prescale_average: with op=Average the payload is divided by the world size before the sum
     (fp16: the sum of many ranks could overflow half precision).
     """
@@ -73,6 +80,11 @@ class CodecInfo:
     seed_per_rank: bool = False
     fixed: tuple[tuple[str, Any], ...] = ()
     rejects: tuple[tuple[str, str], ...] = ()
+    variable_size: bool = False
+    state_slots: tuple[str, ...] = ()
+    min_dim: int = 0
+    replaces_momentum: bool = False
+    frontends: tuple[str, ...] = ("torch", "tensorflow")
 
     @property
     def linear(self) -> bool:
@@ -91,11 +103,16 @@ class CodecInfo:
                 return p
         raise KeyError(name)
 
-    def kept(self, params: dict, n: int) -> int:
-        """Elements kept out of n for the sparsifiers (`k`: fraction < 1, or count >= 1)."""
+    def kept(self, params: dict, n: int, step: int = 0) -> int:
+        """Elements kept out of n for the sparsifiers (`k`: fraction < 1, or count >= 1). With
+        a `warmup_steps` parameter (DGC), a fraction starts at 25% and falls geometrically to k
+        over that many steps (the paper's exponential warm-up, by step instead of epoch)."""
         k = params.get("k")
         if k is None:
             return n
+        warmup = params.get("warmup_steps", 0)
+        if k < 1 and step < warmup and k < WARMUP_START:
+            k = WARMUP_START * (k / WARMUP_START) ** (step / warmup)
         if k < 1:
             return min(n, max(1, math.ceil(k * n))) if n > 0 else 0
         return min(n, int(k))
@@ -105,6 +122,7 @@ def _k_ok(v: float) -> bool:
     return v > 0 and (v < 1 or float(v).is_integer())
 
 
+WARMUP_START = 0.25
 K_PARAM = Param("k", float, 0.01, "a fraction in (0, 1) or an integer count >= 1",
                 "elements kept: k < 1 is a fraction of the tensor, k >= 1 a count", _k_ok)
 SCALING = Param("scaling", bool, True, "true or false",
@@ -239,6 +257,38 @@ register(CodecInfo(
     bits_per_element=lambda isz: 8.0, uses_seed=True, seed_per_rank=True))
 
 
+register(CodecInfo(
+    name="threshold", kernel_id=11, collective="allgather", aggregation="mean",
+    params=(Param("threshold", float, 0.01, "a number >= 0", "send elements with |x| > threshold",
+                  lambda v: v >= 0),),
+    wire="[u32 tag][u32 count][i32 indices, ascending][count values, gradient dtype]; size "
+         "varies by rank and step",
+    doc="every element above a fixed magnitude; payloads of any size, never empty (a header "
+        "always travels)",
+    bits_per_element=lambda isz: 32 + 8 * isz, variable_size=True, frontends=("torch",),
+    collective_note="variable-size payloads gathered back to back"))
+register(CodecInfo(
+    name="dgc", kernel_id=12, collective="allgather", aggregation="mean",
+    params=(Param("k", float, 0.001, K_PARAM.valid, "target density (fraction) or count",
+                  _k_ok),
+            Param("momentum_factor", float, 0.9, "a number in [0, 1)",
+                  "momentum correction: u = m*u + g, v = v + u", lambda v: 0 <= v < 1),
+            Param("clip_norm", float, 0.0, "a number >= 0 (0: off)",
+                  "local gradient clipping to this L2 norm before momentum", lambda v: v >= 0),
+            Param("warmup_steps", int, 0, "an integer >= 0",
+                  "density falls from 25% to k over this many steps", lambda v: v >= 0,
+                  kernel=False)),
+    wire="[u32 tag][u32 k][u32 count][u32 0][i32 indices[k], ascending][k values]; fixed size",
+    doc="Deep Gradient Compression (Lin et al. 2018): momentum correction, threshold from a 1% "
+        "sample adapted to the target density, momentum factor masking, optional clipping and "
+        "warm-up; weights only (dim > 1)",
+    bits_per_element=lambda isz: 32 + 8 * isz, builtin_ef=True,
+    state_slots=("dgc_velocity", "dgc_accumulator"), min_dim=2, replaces_momentum=True,
+    frontends=("torch",),
+    rejects=(("momentum=nesterov", "DGC corrects momentum itself (momentum_factor); a second, "
+              "worker-side momentum would apply it twice"),)))
+
+
 def codec_table() -> str:
     """The README's codec table, generated so the documentation cannot drift from the registry."""
     lines = ["| codec | parameters (default) | collective | bytes on the wire per fp32 element | "
@@ -248,6 +298,8 @@ def codec_table() -> str:
         params = ", ".join(f"`{p.name}` ({p.default!r})" for p in c.params) or "-"
         if c.builtin_ef:
             params += "; error feedback built in"
+        if c.frontends != ("torch", "tensorflow"):
+            params += "; PyTorch only"
         if c.uses_seed:
             params += "; uses `seed`" + (" (per rank)" if c.seed_per_rank else "")
         if "k" in [p.name for p in c.params]:

@@ -39,13 +39,13 @@ class CompressionConfig:
     def param_dict(self) -> dict[str, Any]:
         return dict(self.params)
 
-    def kernel_fields(self, n: int) -> dict[str, Any]:
-        """The codec's parameters as kernel arguments for a tensor of n elements. Every codec
-        parameter is a kernel field of the same name (hvdc::Params, the TF op attributes);
-        `k` is first resolved from a fraction to a count."""
+    def kernel_fields(self, n: int, step: int = 0) -> dict[str, Any]:
+        """The codec's parameters as kernel arguments for a tensor of n elements at its
+        step-th compression. Codec parameters are kernel fields of the same name (hvdc::Params,
+        the TF op attributes); `k` is first resolved from a fraction to a count."""
         params = self.param_dict
-        fields = {p.name: self.info.kept(params, n) if p.name == "k"
-                  else p.kernel_value(params[p.name]) for p in self.info.params}
+        fields = {p.name: self.info.kept(params, n, step) if p.name == "k"
+                  else p.kernel_value(params[p.name]) for p in self.info.params if p.kernel}
         fields.update(self.info.fixed)
         return fields
 
@@ -164,8 +164,8 @@ def parse_spec(spec: Any) -> CompressionConfig:
     if ef not in EF_CHOICES:
         raise ValueError(f"ef={ef!r} is not valid; valid: {', '.join(EF_CHOICES)}")
     if info.builtin_ef and ef != "vanilla":
-        raise ValueError(f"{info.name} has error feedback built in, so ef={ef} is not valid; use "
-                         f"onebit for sign compression without error feedback")
+        raise ValueError(f"{info.name} has error feedback built in (it keeps what it did not "
+                         f"send), so ef={ef} is not valid; leave ef unset")
     momentum = _coerce("momentum", str, items.pop("momentum", "none"))
     if momentum not in MOMENTUM_CHOICES:
         raise ValueError(f"momentum={momentum!r} is not valid; valid: {', '.join(MOMENTUM_CHOICES)}")

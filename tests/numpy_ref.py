@@ -14,7 +14,7 @@ import numpy as np
 DTYPE_CODE = {"float32": 0, "float16": 1, "bfloat16": 2, "float64": 3}
 CODEC_ID = {"none": 0, "fp16": 1, "bf16": 2, "onebit": 3, "signsgd": 4, "efsignsgd": 5,
             "topk": 6, "randomk": 7, "minmax8": 8, "dithering": 9, "qsgd": 9, "terngrad": 9,
-            "natural": 10}
+            "natural": 10, "threshold": 11, "dgc": 12}
 # qsgd and terngrad are dithering with these settings (QSGD: L2 norm; TernGrad: one level of
 # the max after clipping at clip * std).
 DITHER_FIXED = {"dithering": {}, "qsgd": {"partition": 0, "normalize": 1},
@@ -249,6 +249,11 @@ def encode(codec: str, x: np.ndarray, dtype: str, *, k: int = 0, seed: int = 0,
         codes = dither_codes(xv, norm, f["s"], f["partition"], seed)
         return (struct.pack("<IBBBBfI", tag(codec, dtype), f["s"], f["partition"], f["normalize"], 0,
                             float(norm), 0) + pack_codes(codes, dither_bits(f["s"])))
+    if codec == "threshold":
+        t = acc_type(dtype)(dither.get("threshold", 0.01))
+        idx = np.nonzero(~(np.abs(to_acc(x, dtype)) <= t))[0].astype("<i4")
+        ib = idx.tobytes() + b"\0" * ((idx.size * 4 + 7) // 8 * 8 - idx.size * 4)
+        return struct.pack("<II", tag(codec, dtype), idx.size) + ib + x[idx].tobytes()
     if codec == "natural":
         top, codes = natural_parts(to_acc(x, dtype), seed)
         pad = b"\0" * ((n + 7) // 8 * 8 - n)
@@ -273,6 +278,52 @@ def _topk_parts(payload: bytes, dtype: str):
     idx = np.frombuffer(payload[8:8 + 4 * k], "<i4")
     vals = np.frombuffer(payload[off:], _np_dtype(dtype))[:k]
     return t, idx, vals
+
+
+def _topk_terms(payload: bytes, dtype: str, a):
+    _, idx, vals = _topk_parts(payload, dtype)
+    return idx.astype(np.int64), a * to_acc(vals, dtype)
+
+
+def dgc_encode(x: np.ndarray, u: np.ndarray, v: np.ndarray, dtype: str, k: int,
+               momentum_factor: float = 0.9, clip_norm: float = 0.0):
+    """One DGC step: clip, momentum correction, threshold selection from a 1% strided sample,
+    momentum factor masking. Returns (payload, new u, new v)."""
+    A = acc_type(dtype)
+    n = x.size
+    g = to_acc(x, dtype)
+    scale = A(1)
+    if clip_norm > 0 and n:
+        g64 = g.astype(np.float64)
+        norm = np.sqrt(np.cumsum(g64 * g64)[-1])
+        if norm > clip_norm:
+            scale = A(clip_norm / norm)
+    with np.errstate(invalid="ignore", over="ignore"):  # inf gradients give NaN, as in C++
+        u2 = from_acc(A(momentum_factor) * to_acc(u, dtype) + g * scale, dtype)
+        v2 = from_acc(to_acc(v, dtype) + to_acc(u2, dtype), dtype)
+    mag = np.abs(to_acc(v2, dtype))
+    sel = np.zeros(0, np.int64)
+    if k and n:
+        stride = max(1, n // max(1, n // 100))
+        sample = np.sort(mag[::stride])[::-1]
+        m = sample.size
+        r = max(1, (k * m + n // 2) // n)
+        for _ in range(5):
+            sel = np.nonzero(mag >= sample[min(r, m) - 1])[0]
+            if sel.size * 5 >= k * 4 or r >= m:
+                break
+            r *= 2
+        if sel.size > k:
+            sel = np.sort(sel[np.lexsort((sel, -mag[sel]))[:k]])
+    idx = np.zeros(k, "<i4")
+    idx[:sel.size] = sel
+    vals = zeros(k, dtype)
+    vals[:sel.size] = v2[sel]
+    ib = idx.tobytes() + b"\0" * ((k * 4 + 7) // 8 * 8 - k * 4)
+    payload = struct.pack("<IIII", tag("dgc", dtype), k, sel.size, 0) + ib + vals.tobytes()
+    u2[sel] = zeros(1, dtype)[0]
+    v2[sel] = zeros(1, dtype)[0]
+    return payload, u2, v2
 
 
 def decoded_terms(codec: str, payload: bytes, n: int, dtype: str, alpha: float, *, k: int = 0,
@@ -316,6 +367,14 @@ def decoded_terms(codec: str, payload: bytes, n: int, dtype: str, alpha: float, 
                            np.ldexp(np.float32(1), (lev - s).astype(np.int32))) * np.float32(norm)
         v = np.where(codes < s, -mag, mag).astype(np.float32)
         return np.arange(n), a * v.astype(A)
+    if codec == "threshold":
+        return _topk_terms(payload, dtype, a)
+    if codec == "dgc":
+        _, cap, count, _ = struct.unpack("<IIII", payload[:16])
+        off = 16 + (cap * 4 + 7) // 8 * 8
+        idx = np.frombuffer(payload[16:16 + 4 * count], "<i4").astype(np.int64)
+        vals = np.frombuffer(payload[off:], _np_dtype(dtype))[:count]
+        return idx, a * to_acc(vals, dtype)
     if codec == "natural":
         _, top = struct.unpack("<Ii", payload[:8])
         codes = np.frombuffer(payload[8:8 + n], np.uint8).astype(np.int64)
@@ -338,7 +397,8 @@ def decode(codec: str, payload: bytes, n: int, dtype: str, alpha: float = 1.0,
            out: np.ndarray | None = None, **kw) -> np.ndarray:
     """out = alpha * D(payload), or out + alpha * D(payload) when out is given."""
     idx, terms = decoded_terms(codec, payload, n, dtype, alpha, **kw)
-    if out is None and codec not in ("topk", "randomk", "minmax8", "natural", *DITHER_FIXED):
+    if out is None and codec not in ("topk", "randomk", "minmax8", "natural", "threshold", "dgc",
+                                     *DITHER_FIXED):
         return from_acc(terms, dtype)  # dense codecs write alpha * D directly
     base = zeros(n, dtype) if out is None else out
     acc = to_acc(base, dtype).copy()
@@ -379,7 +439,8 @@ def ef_encode(codec: str, x: np.ndarray, e: np.ndarray, dtype: str, prescale: fl
     """Vanilla error feedback: p = x + e; c = C(p); e = p - D(c). Returns (payload, new e)."""
     p = from_acc(to_acc(x, dtype) + to_acc(e, dtype), dtype)
     enc_kw = {k: v for k, v in kw.items()
-              if k in ("k", "seed", "scaling", "chunk", "s", "partition", "normalize", "clip")}
+              if k in ("k", "seed", "scaling", "chunk", "s", "partition", "normalize", "clip",
+                       "threshold")}
     payload = encode(codec, p, dtype, prescale=prescale, **enc_kw)
     dec_kw = {k: v for k, v in kw.items() if k in ("k", "seed", "rescale")}
     return payload, decode(codec, payload, x.size, dtype, -1.0 / prescale, out=p, **dec_kw)

@@ -18,6 +18,7 @@ class Simulation:
         self.k = self.cfg.info.kept(self.cfg.param_dict, n)
         self.e = [ref.zeros(n, dtype) for _ in range(world)]
         self.m = [ref.zeros(n, dtype) for _ in range(self.world)]
+        self.u = [ref.zeros(n, dtype) for _ in range(self.world)]  # DGC velocity
         self.step = 0
 
     def __call__(self, grads):
@@ -31,14 +32,16 @@ class Simulation:
             acc = rank_sum([ref.to_acc(g, dtype) for g in grads])
             return ref.from_acc(acc * ref.acc_type(dtype)(1.0 / self.world), dtype)
         prescale = 1.0 / self.world if cfg.info.prescale_average else 1.0
-        fields = {**cfg.kernel_fields(n)}
+        fields = {**cfg.kernel_fields(n, self.step)}
         fields.pop("rescale", None)
         payloads = []
         for r, g in enumerate(grads):
             x = g
             if cfg.momentum == "nesterov":
                 x, self.m[r] = ref.nesterov(x, self.m[r], cfg.mu, dtype)
-            if cfg.ef == "vanilla":
+            if cfg.codec == "dgc":  # e holds the accumulator
+                pl, self.u[r], self.e[r] = ref.dgc_encode(x, self.u[r], self.e[r], dtype, **fields)
+            elif cfg.ef == "vanilla":
                 pl, self.e[r] = ref.ef_encode(cfg.codec, x, self.e[r], dtype, prescale=prescale,
                                               seed=seed(r), **fields)
             else:

@@ -164,5 +164,16 @@ void natural_encode(DType d, const void* x, int64_t n, const Params& p, void* pa
 void natural_aggregate(DType d, const void* payloads, int64_t ranks, int64_t stride, int64_t n,
                        void* out, double alpha, bool acc);
 }  // namespace quant
+namespace sparse {
+int64_t threshold_capacity(DType d, int64_t n);
+int64_t threshold_used(DType d, const void* payload);
+void threshold_encode(DType d, const void* x, int64_t n, const Params& p, void* payload);
+void threshold_aggregate(DType d, const void* payloads, int64_t ranks, int64_t total, int64_t n,
+                         void* out, double alpha, bool acc);
+int64_t dgc_payload_bytes(DType d, int64_t k);
+void dgc_encode(DType d, const void* x, void* u, void* v, int64_t n, const Params& p, void* payload);
+void dgc_aggregate(DType d, const void* payloads, int64_t ranks, int64_t stride, int64_t n,
+                   const Params& p, void* out, double alpha, bool acc);
+}  // namespace sparse
 
 }  // namespace hvdc

@@ -1,5 +1,6 @@
 // Public entry points: argument checks, then the codec's own file.
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 
 #include "common.h"
@@ -20,10 +21,12 @@ const char* codec_name(CodecId c) {
     case kMinMax8: return "minmax8";
     case kDither: return "dither";
     case kNatural: return "natural";
+    case kThreshold: return "threshold";
+    case kDGC: return "dgc";
   }
   throw KernelError("unknown codec id " + std::to_string(static_cast<int>(c)) +
-                    " (valid: 0..10: none, fp16, bf16, onebit, signsgd, efsignsgd, topk, randomk, "
-                    "minmax8, dither, natural)");
+                    " (valid: 0..12: none, fp16, bf16, onebit, signsgd, efsignsgd, topk, randomk, "
+                    "minmax8, dither, natural, threshold, dgc)");
 }
 
 bool is_sign(CodecId c) { return c == kOnebit || c == kSignSGD || c == kEFSignSGD; }
@@ -50,7 +53,19 @@ void check_common(CodecId c, DType d, int64_t n, const Params& p) {
     if (p.normalize == kClipSigma && !(p.clip > 0.0))
       throw KernelError("dithering: clip must be > 0, got " + std::to_string(p.clip));
   }
-  if (c == kTopK || c == kRandomK) {
+  if (c == kThreshold && !(p.threshold >= 0.0 && std::isfinite(p.threshold)))
+    throw KernelError("threshold: threshold must be a finite number >= 0, got " +
+                      std::to_string(p.threshold));
+  if (c == kDGC) {
+    if (!(p.momentum_factor >= 0.0 && p.momentum_factor < 1.0))
+      throw KernelError("dgc: momentum_factor must be in [0, 1), got " + std::to_string(p.momentum_factor));
+    if (!(p.clip_norm >= 0.0))
+      throw KernelError("dgc: clip_norm must be >= 0 (0: off), got " + std::to_string(p.clip_norm));
+  }
+  if ((c == kThreshold || c == kDGC) && n > 0x7fffffffLL)
+    throw KernelError(std::string(codec_name(c)) + ": tensors above 2^31-1 elements are not "
+                      "supported (int32 indices), got " + std::to_string(n));
+  if (c == kTopK || c == kRandomK || c == kDGC) {
     if (p.k < 0 || p.k > n)
       throw KernelError(std::string(codec_name(c)) + ": k must be in [0, n] = [0, " +
                         std::to_string(n) + "], got " + std::to_string(p.k));
@@ -85,6 +100,8 @@ int64_t payload_bytes(CodecId c, DType d, int64_t n, const Params& p) {
   if (c == kMinMax8) return minmax8::payload_bytes(n, p.chunk);
   if (c == kDither) return quant::dither_payload_bytes(n, p.s);
   if (c == kNatural) return quant::natural_payload_bytes(n);
+  if (c == kThreshold) return sparse::threshold_capacity(d, n);
+  if (c == kDGC) return sparse::dgc_payload_bytes(d, p.k);
   return p.k * dtype_size(d);  // randomk
 }
 
@@ -104,6 +121,9 @@ void encode(CodecId c, DType d, const void* x, int64_t n, const Params& p, void*
   if (c == kMinMax8) return minmax8::encode(d, x, n, p, payload);
   if (c == kDither) return quant::dither_encode(d, x, n, p, payload);
   if (c == kNatural) return quant::natural_encode(d, x, n, p, payload);
+  if (c == kThreshold) return sparse::threshold_encode(d, x, n, p, payload);
+  if (c == kDGC)
+    throw KernelError("dgc keeps momentum and accumulation state: call encode_with_state");
   return randomk::encode(d, x, n, p, payload);
 }
 
@@ -120,6 +140,12 @@ void decode(CodecId c, DType d, const void* payload, int64_t n, const Params& p,
   if (c == kNatural)
     return quant::natural_aggregate(d, payload, 1, payload_bytes(c, d, n, p), n, out, alpha,
                                     accumulate);
+  if (c == kThreshold)
+    return sparse::threshold_aggregate(d, payload, 1, sparse::threshold_used(d, payload), n, out,
+                                       alpha, accumulate);
+  if (c == kDGC)
+    return sparse::dgc_aggregate(d, payload, 1, payload_bytes(c, d, n, p), n, p, out, alpha,
+                                 accumulate);
   return randomk::decode(d, payload, n, p, out, alpha, accumulate);
 }
 
@@ -127,6 +153,8 @@ void aggregate(CodecId c, DType d, const void* payloads, int64_t ranks, int64_t 
                const Params& p, void* out, double alpha) {
   check_common(c, d, n, p);
   if (ranks < 1) throw KernelError("aggregate needs at least one payload, got " + std::to_string(ranks));
+  if (c == kThreshold)
+    return sparse::threshold_aggregate(d, payloads, ranks, stride, n, out, alpha, false);
   if (stride < payload_bytes(c, d, n, p))
     throw KernelError(std::string(codec_name(c)) + ": gathered payloads are " + std::to_string(stride) +
                       " bytes apart but one payload is " + std::to_string(payload_bytes(c, d, n, p)) +
@@ -138,8 +166,33 @@ void aggregate(CodecId c, DType d, const void* payloads, int64_t ranks, int64_t 
     return minmax8::aggregate(d, payloads, ranks, stride, n, p, out, alpha, false);
   if (c == kDither) return quant::dither_aggregate(d, payloads, ranks, stride, n, p, out, alpha, false);
   if (c == kNatural) return quant::natural_aggregate(d, payloads, ranks, stride, n, out, alpha, false);
+  if (c == kDGC) return sparse::dgc_aggregate(d, payloads, ranks, stride, n, p, out, alpha, false);
   throw KernelError(std::string(codec_name(c)) +
                     " payloads are reduced by allreduce, not aggregated locally");
+}
+
+int64_t encoded_bytes(CodecId c, DType d, const void* payload, int64_t n, const Params& p) {
+  if (c == kThreshold) {
+    check_common(c, d, n, p);
+    check_tag(payload, c, d, -1);
+    return sparse::threshold_used(d, payload);
+  }
+  return payload_bytes(c, d, n, p);
+}
+
+int64_t state_count(CodecId c) {
+  codec_name(c);
+  return c == kDGC ? 2 : 0;
+}
+
+void encode_with_state(CodecId c, DType d, const void* x, void* const* state, int64_t nstate,
+                       int64_t n, const Params& p, void* payload) {
+  check_common(c, d, n, p);
+  if (nstate != state_count(c))
+    throw KernelError(std::string(codec_name(c)) + " keeps " + std::to_string(state_count(c)) +
+                      " state tensor(s), got " + std::to_string(nstate));
+  if (c == kDGC) return sparse::dgc_encode(d, x, state[0], state[1], n, p, payload);
+  throw KernelError(std::string(codec_name(c)) + " keeps no state: call encode");
 }
 
 int64_t ef_carry_size(CodecId c) {

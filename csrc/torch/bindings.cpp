@@ -100,6 +100,40 @@ void aggregate(int64_t codec, const at::Tensor& gathered, at::Tensor& out, const
                   gathered.size(1), out.numel(), p, out.data_ptr(), alpha);
 }
 
+// Payloads of variable-size codecs, back to back in one uint8 vector (Horovod's allgather of
+// 1-D tensors of different lengths).
+void aggregate_concat(int64_t codec, const at::Tensor& gathered, int64_t ranks, at::Tensor& out,
+                      const hvdc::Params& p, double alpha) {
+  check_out(out, out, "output");
+  check_cpu(gathered, "gathered payloads");
+  if (gathered.dim() != 1 || gathered.scalar_type() != at::kByte || !gathered.is_contiguous())
+    throw hvdc::KernelError("gathered payloads must be a contiguous uint8 vector");
+  hvdc::aggregate(static_cast<hvdc::CodecId>(codec), dtype_of(out, "output"), gathered.data_ptr(),
+                  ranks, gathered.numel(), out.numel(), p, out.data_ptr(), alpha);
+}
+
+int64_t encoded_bytes(int64_t codec, const at::Tensor& payload, const at::Tensor& like,
+                      const hvdc::Params& p) {
+  const auto d = dtype_of(like, "gradient");
+  check_payload(payload, codec, d, like.numel(), p);
+  return hvdc::encoded_bytes(static_cast<hvdc::CodecId>(codec), d, payload.data_ptr(), like.numel(), p);
+}
+
+void encode_with_state(int64_t codec, const at::Tensor& x, std::vector<at::Tensor> state,
+                       const hvdc::Params& p, at::Tensor& payload) {
+  check_cpu(x, "gradient");
+  const auto d = dtype_of(x, "gradient");
+  auto xc = x.contiguous();
+  check_payload(payload, codec, d, xc.numel(), p);
+  std::vector<void*> ptrs;
+  for (auto& s : state) {
+    check_out(s, xc, "codec state");
+    ptrs.push_back(s.data_ptr());
+  }
+  hvdc::encode_with_state(static_cast<hvdc::CodecId>(codec), d, xc.data_ptr(), ptrs.data(),
+                          static_cast<int64_t>(ptrs.size()), xc.numel(), p, payload.data_ptr());
+}
+
 float* carry_of(int64_t codec, at::Tensor& carry) {
   const int64_t want = hvdc::ef_carry_size(static_cast<hvdc::CodecId>(codec));
   check_cpu(carry, "error-feedback carry");
@@ -151,7 +185,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("s", &hvdc::Params::s)
       .def_readwrite("partition", &hvdc::Params::partition)
       .def_readwrite("normalize", &hvdc::Params::normalize)
-      .def_readwrite("clip", &hvdc::Params::clip);
+      .def_readwrite("clip", &hvdc::Params::clip)
+      .def_readwrite("threshold", &hvdc::Params::threshold)
+      .def_readwrite("momentum_factor", &hvdc::Params::momentum_factor)
+      .def_readwrite("clip_norm", &hvdc::Params::clip_norm);
   py::register_exception<hvdc::KernelError>(m, "KernelError", PyExc_ValueError);
   using G = py::call_guard<py::gil_scoped_release>;
   m.def("new_payload", &new_payload, G());
@@ -161,6 +198,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("ef_encode", &ef_encode, G());
   m.def("ef_settle", &ef_settle, G());
   m.def("ef_carry_size", &ef_carry_size);
+  m.def("aggregate_concat", &aggregate_concat, G());
+  m.def("encoded_bytes", &encoded_bytes, G());
+  m.def("encode_with_state", &encode_with_state, G());
+  m.def("state_count", [](int64_t c) { return hvdc::state_count(static_cast<hvdc::CodecId>(c)); });
   m.def("nesterov", &nesterov, G());
   m.def("cpu_isa", &hvdc::cpu_isa);
 }

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import tensorflow as tf
 
+from ..registry import codecs
 from ..seeds import seed_base, seed_name
 from ..spec import CompressionConfig
 from ..state import StateStore
@@ -45,6 +46,10 @@ class Encoded:
 
 class TFCodec:
     def __init__(self, config: CompressionConfig, store: StateStore | None, rank: int = 0):
+        if "tensorflow" not in config.info.frontends:
+            raise ValueError(f"codec {config.codec!r} is available in the PyTorch frontend only; "
+                             f"TensorFlow codecs: " + ", ".join(
+                                 c.name for c in codecs() if "tensorflow" in c.frontends))
         self.config = config
         self.info = config.info
         self.store = store

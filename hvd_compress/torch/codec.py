@@ -26,11 +26,11 @@ def check_gradient(t: torch.Tensor, what: str = "gradient") -> None:
                          f"{', '.join(DTYPE_NAMES.values())}")
 
 
-def kernel_params(cfg: CompressionConfig, n: int, *, seed: int = 0,
-                  prescale: float = 1.0) -> _C.Params:
+def kernel_params(cfg: CompressionConfig, n: int, *, seed: int = 0, prescale: float = 1.0,
+                  step: int = 0) -> _C.Params:
     """Kernel arguments for one tensor of n elements (see CompressionConfig.kernel_fields)."""
     p = _C.Params()
-    for name, value in cfg.kernel_fields(n).items():
+    for name, value in cfg.kernel_fields(n, step).items():
         setattr(p, name, value)
     p.seed = seed
     p.prescale = prescale
@@ -46,31 +46,38 @@ class Encoded:
 
 
 class TorchCodec:
-    def __init__(self, config: CompressionConfig, store: StateStore | None, rank: int = 0):
+    def __init__(self, config: CompressionConfig, store: StateStore | None, rank: int = 0,
+                 world: int = 1):
         self.config = config
         self.info = config.info
         self.store = store
-        self.rank = rank
+        self.rank, self.world = rank, world
 
     def encode(self, name: str, grad: torch.Tensor, *, prescale: float = 1.0) -> Encoded:
         """Momentum and error feedback (when configured), then the codec. May overwrite grad."""
         check_gradient(grad)
         cfg, info = self.config, self.info
         x = grad if grad.is_contiguous() else grad.contiguous()
+        step = self.store.next_step(name) if self.store is not None else 0
         seed = 0
         if info.uses_seed:
-            step = self.store.next_step(name) if self.store is not None else 0
             seed = derive_seed(cfg.seed, seed_name(name, self.rank, info.seed_per_rank), step)
-        kp = kernel_params(cfg, x.numel(), seed=seed, prescale=prescale)
+        kp = kernel_params(cfg, x.numel(), seed=seed, prescale=prescale, step=step)
         if cfg.momentum == "nesterov":
             _C.nesterov(x, self._slot(name, "momentum", x), cfg.mu)
         payload = _C.new_payload(info.kernel_id, x, kp)
-        if cfg.ef == "vanilla":
+        if info.state_slots:  # the codec's own state stands in for error feedback
+            _C.encode_with_state(info.kernel_id, x, [self._slot(name, s, x) for s in
+                                                     info.state_slots], kp, payload)
+        elif cfg.ef == "vanilla":
             _C.ef_encode(info.kernel_id, x, self._slot(name, "ef", x), self._carry(name), kp,
                          payload)
         else:
             _C.encode(info.kernel_id, x, kp, payload)
-        if not info.linear:
+        if info.variable_size:
+            # 1-D: Horovod gathers payloads of any length back to back.
+            payload = payload[:_C.encoded_bytes(info.kernel_id, payload, x, kp)]
+        elif not info.linear:
             # [1, bytes]: ranks whose payload sizes differ fail Horovod's allgather shape check.
             payload = payload.view(torch.uint8).view(1, -1)
         return Encoded(payload, kp, grad.shape, grad.dtype)
@@ -106,7 +113,10 @@ class TorchCodec:
                   out: torch.Tensor | None = None) -> torch.Tensor:
         """Reduce the [ranks, bytes] allgather result of a non-linear codec."""
         out = self._out(enc, out)
-        _C.aggregate(self.info.kernel_id, gathered, out, enc.params, alpha)
+        if self.info.variable_size:
+            _C.aggregate_concat(self.info.kernel_id, gathered, self.world, out, enc.params, alpha)
+        else:
+            _C.aggregate(self.info.kernel_id, gathered, out, enc.params, alpha)
         return out
 
     @staticmethod

@@ -55,7 +55,8 @@ class _CompressedReduction:
         self._hvdc_min_bytes = min_compress_bytes
         self._hvdc_store = StateStore(TorchAdapter(), spec=config.canonical())
         self._hvdc_stats = CompressionStats()
-        self._hvdc_codec = TorchCodec(config, self._hvdc_store, rank=process_set.rank())
+        self._hvdc_codec = TorchCodec(config, self._hvdc_store, rank=process_set.rank(),
+                                      world=process_set.size())
         _DistributedOptimizer.__init__(
             self, params, named_parameters, hvd.Compression.none,
             backward_passes_per_step=backward_passes_per_step, op=op,
@@ -68,7 +69,8 @@ class _CompressedReduction:
         grad = p.grad
         name = self._parameter_names.get(p)
         if (grad.is_sparse or self._hvdc_config.codec == "none" or grad.dtype not in DTYPE_NAMES
-                or grad.numel() * grad.element_size() < self._hvdc_min_bytes):
+                or grad.numel() * grad.element_size() < self._hvdc_min_bytes
+                or grad.dim() < self._hvdc_codec.info.min_dim):
             handle, ctx = _DistributedOptimizer._allreduce_grad_async(self, p)
             if not grad.is_sparse:
                 nbytes = grad.numel() * grad.element_size()
@@ -155,11 +157,12 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression="none",
         raise ValueError(f"backward_passes_per_step must be > 0, got {backward_passes_per_step}")
     if not isinstance(min_compress_bytes, int) or min_compress_bytes < 0:
         raise ValueError(f"min_compress_bytes must be an integer >= 0, got {min_compress_bytes!r}")
-    if config.momentum == "nesterov":
+    if config.momentum == "nesterov" or config.info.replaces_momentum:
+        what = config.codec if config.info.replaces_momentum else "momentum=nesterov"
         for group in optimizer.param_groups:
             if group.get("momentum", 0):
-                warnings.warn(f"momentum=nesterov in the compression spec replaces the "
-                              f"optimizer's own momentum ({group['momentum']}); setting it to 0")
+                warnings.warn(f"{what} in the compression spec replaces the optimizer's own "
+                              f"momentum ({group['momentum']}); setting it to 0")
                 group["momentum"] = 0
     if process_set.included() and process_set.size() > 1:
         _check_ranks_agree(config, min_compress_bytes, process_set)

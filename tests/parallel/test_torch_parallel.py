@@ -26,7 +26,7 @@ RANK = hvd.rank()
 pytestmark = two_rank_marker(WORLD)
 
 CODECS = ["none", "fp16", "bf16", "onebit", "signsgd", "efsignsgd", "topk", "randomk",
-          "minmax8", "dithering", "qsgd", "terngrad", "natural"]
+          "minmax8", "dithering", "qsgd", "terngrad", "natural", "threshold,threshold=1.0"]
 
 
 def single_param_optimizer(spec, n, dtype=torch.float32, **kw):
@@ -71,6 +71,43 @@ def test_error_feedback_and_momentum_equal_simulation(spec):
         grads = grads_for_step(n, "float32", step, WORLD)
         got = reduce_step(p, opt, n2t(grads[RANK], "float32"))
         assert same_bits(t2n(got), sim(grads)), f"step {step}"
+
+
+def test_threshold_with_a_rank_sending_nothing():
+    """GRACE issue #16: a rank with no element above the threshold must not hang the job."""
+    n = 3000
+    p, opt = single_param_optimizer("threshold,threshold=1.0", n)
+    sim = Simulation("threshold,threshold=1.0", n, "float32", WORLD)
+    grads = grads_for_step(n, "float32", 0, WORLD)
+    grads[0] = grads[0] * np.float32(1e-6)  # rank 0: nothing above 1.0
+    got = reduce_step(p, opt, n2t(grads[RANK], "float32"))
+    assert same_bits(t2n(got), sim(grads))
+
+
+@pytest.mark.parametrize("spec", ["dgc,k=0.01", "dgc,k=0.05,momentum_factor=0.5,clip_norm=20",
+                                  "dgc,k=0.01,warmup_steps=3"])
+def test_dgc_equals_simulation_and_leaves_biases_uncompressed(spec):
+    w = torch.nn.Parameter(torch.zeros(60, 70))
+    b = torch.nn.Parameter(torch.zeros(70))
+    with pytest.warns(UserWarning, match="dgc in the compression spec replaces the optimizer"):
+        opt = hvdc.DistributedOptimizer(torch.optim.SGD([w, b], lr=0.0, momentum=0.9),
+                                        named_parameters=[("w", w), ("b", b)], compression=spec,
+                                        min_compress_bytes=0)
+    assert opt.param_groups[0]["momentum"] == 0  # DGC's momentum correction replaces it
+    n = w.numel()
+    sim = Simulation(spec, n, "float32", WORLD)
+    for step in range(4):
+        grads = grads_for_step(n, "float32", step, WORLD)
+        bias = grads_for_step(70, "float32", 50 + step, WORLD)
+        opt.zero_grad()
+        ((w * n2t(grads[RANK], "float32").view(60, 70)).sum() +
+         (b * n2t(bias[RANK], "float32")).sum()).backward()
+        opt.synchronize()
+        assert same_bits(t2n(w.grad.reshape(-1)), sim(grads)), f"step {step}"
+        assert same_bits(t2n(b.grad), Simulation("none", 70, "float32", WORLD)(bias))
+        with opt.skip_synchronize():
+            opt.step()
+    assert opt.compression_stats.tensors["b"].codec == "none"
 
 
 def test_float16_gradients():
@@ -138,7 +175,8 @@ _baseline = {}
                                   "signsgd,ef=vanilla", "topk,k=0.05,ef=vanilla",
                                   "randomk,k=0.05,ef=vanilla", "minmax8,ef=vanilla",
                                   "dithering,ef=vanilla", "qsgd,ef=vanilla", "terngrad,ef=vanilla",
-                                  "natural,ef=vanilla", "topk,k=0.05,ef=vanilla,"
+                                  "natural,ef=vanilla", "threshold,threshold=0.002,ef=vanilla",
+                                  "dgc,k=0.05", "topk,k=0.05,ef=vanilla,"
                                   "momentum=nesterov,mu=0.5"])
 def test_training_reaches_uncompressed_loss(spec):
     if "none" not in _baseline:
@@ -193,7 +231,8 @@ def test_backward_passes_per_step_accumulates_before_compressing():
     assert same_bits(t2n(p.grad), want)
 
 
-@pytest.mark.parametrize("spec", ["topk,k=0.1,ef=vanilla,momentum=nesterov", "efsignsgd"])
+@pytest.mark.parametrize("spec", ["topk,k=0.1,ef=vanilla,momentum=nesterov", "efsignsgd",
+                                  "dgc,k=0.05,warmup_steps=4", "dithering,ef=vanilla,seed=5"])
 def test_compression_state_checkpoint_restart_is_bit_exact(spec):
     full_model, _, _ = train(spec, steps=20)
     model, opt, _ = train(spec, steps=10)

@@ -62,6 +62,11 @@ def test_defaults_filled_and_canonical_round_trip():
     ("dithering,normalize=clipped", "dithering: normalize must be max or l2"),
     ("qsgd,partition=natural", "codec 'qsgd' has no parameter 'partition'"),
     ("terngrad,clip=0", "terngrad: clip must be a number > 0"),
+    ("dgc,momentum=nesterov", "dgc with momentum=nesterov is refused: DGC corrects momentum "
+                              "itself"),
+    ("dgc,ef=none", "dgc has error feedback built in (it keeps what it did not send)"),
+    ("dgc,warmup_steps=1.5", "dgc: warmup_steps must be an integer, got '1.5'"),
+    ("threshold,threshold=-1", "threshold: threshold must be a number >= 0, got -1.0"),
     ("randomk,rescale=true,ef=vanilla", "randomk with rescale=true,ef=vanilla is refused: error "
                                         "feedback would"),
     ({"k": 0.1}, "names no codec"),
@@ -77,7 +82,7 @@ def test_bad_specs_name_the_problem(spec, message):
 def test_registry_describes_every_codec():
     names = [c.name for c in hc.codecs()]
     assert names == ["none", "fp16", "bf16", "onebit", "signsgd", "efsignsgd", "topk", "randomk",
-                     "minmax8", "dithering", "qsgd", "terngrad", "natural"]
+                     "minmax8", "dithering", "qsgd", "terngrad", "natural", "threshold", "dgc"]
     for c in hc.codecs():
         assert c.collective in ("allreduce", "allgather")
         assert c.aggregation in ("mean", "majority")

@@ -124,3 +124,10 @@ def test_tf_bad_inputs():
     bad = tf.concat([enc.payload, onebit.payload], 0)
     with pytest.raises(tf.errors.InvalidArgumentError, match="ranks must use the same compression"):
         topk.aggregate(bad, enc, 0.5)
+
+
+@pytest.mark.parametrize("codec", ["threshold", "dgc"])
+def test_torch_only_codecs_are_refused_with_the_valid_choices(codec):
+    with pytest.raises(ValueError, match=f"codec '{codec}' is available in the PyTorch frontend "
+                                         f"only; TensorFlow codecs: none, fp16"):
+        TFCodec(hc.parse_spec(codec), None)

@@ -25,6 +25,8 @@ enum CodecId : int32_t {
   kMinMax8 = 8,
   kDither = 9,    // dithering, qsgd and terngrad are parametrisations of this kernel
   kNatural = 10,
+  kThreshold = 11,
+  kDGC = 12,
 };
 
 enum Partition : int32_t { kLinear = 0, kNaturalLevels = 1 };
@@ -41,6 +43,9 @@ struct Params {
   int64_t partition = kLinear;  // dither: level spacing
   int64_t normalize = kMax;     // dither: what |x| is divided by
   double clip = 2.5;      // dither with kClipSigma (TernGrad): clip |x| at clip * std(x)
+  double threshold = 0.0;  // threshold: elements with |x| > threshold are sent
+  double momentum_factor = 0.9;  // dgc: momentum correction
+  double clip_norm = 0.0;  // dgc: local L2 clipping of the gradient (0: off)
 };
 
 // Raised for any bad argument; the message names what was wrong.
@@ -63,7 +68,13 @@ void encode(CodecId codec, DType dtype, const void* x, int64_t n, const Params& 
 void decode(CodecId codec, DType dtype, const void* payload, int64_t n, const Params& p,
             void* out, double alpha, bool accumulate);
 
+// Bytes of the payload actually used: payload_bytes for fixed-size codecs; for variable-size
+// ones (threshold) payload_bytes is the capacity and the header says how much was filled.
+int64_t encoded_bytes(CodecId codec, DType dtype, const void* payload, int64_t n,
+                      const Params& p);
+
 // Reduction of `ranks` payloads laid out `stride` bytes apart (the result of an allgather).
+// Variable-size codecs: the payloads are back to back and `stride` is their total size.
 // Mean-style codecs: out = sum_r alpha * D(payload_r), accumulated in float (double for f64).
 // signsgd: out = sign(sum_r sign_r) * mean_r(scale_r) * alpha * ranks (majority vote).
 void aggregate(CodecId codec, DType dtype, const void* payloads, int64_t ranks, int64_t stride,
@@ -81,6 +92,15 @@ void ef_encode(CodecId codec, DType dtype, const void* x, void* e, float* carry,
 int64_t ef_carry_size(CodecId codec);
 // Makes e the plain residual (and carry zero): before reading or checkpointing e.
 void ef_settle(CodecId codec, DType dtype, void* e, float* carry, int64_t n);
+
+// Codecs that keep their own per-parameter state (DGC: velocity u and accumulator v, each
+// shaped like x): updates the state and writes the payload in one call.
+// dgc: g clipped to clip_norm; u = momentum_factor * u + g; v = v + u; the (at most) k largest
+// |v| (threshold from a 1% strided sample, exact top-k when it overshoots) are sent and
+// their u and v entries zeroed (momentum factor masking).
+int64_t state_count(CodecId codec);
+void encode_with_state(CodecId codec, DType dtype, const void* x, void* const* state,
+                       int64_t nstate, int64_t n, const Params& p, void* payload);
 
 // Worker-side Nesterov momentum, in place on x: m = mu * m + x; x = mu * m + x.
 void nesterov(DType dtype, void* x, void* m, int64_t n, double mu);

@@ -1,0 +1,225 @@
+// Threshold sparsification and Deep Gradient Compression (Lin et al. 2018).
+//
+// threshold payload (variable size): [u32 tag][u32 count][i32 indices, ascending, padded to 8]
+//   [count values in the gradient dtype]; every element with |x| > threshold. payload_bytes is
+//   the capacity (all n kept); encoded_bytes is what was filled. Never empty: a rank with
+//   nothing above the threshold still sends its 8-byte header, so collectives see a payload.
+// dgc payload (fixed size, so allgather sizes match on all ranks): [u32 tag][u32 k][u32 count]
+//   [u32 0][i32 indices[k], ascending, padded to 8][values[k]]; slots past count are zero.
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "common.h"
+
+namespace hvdc {
+namespace sparse {
+namespace {
+
+int64_t index_bytes(int64_t k) { return (k * 4 + 7) / 8 * 8; }
+constexpr int64_t kThrHeader = 8;
+constexpr int64_t kDgcHeader = 16;
+
+// A value as the state tensor stores it: the state is in the gradient's dtype.
+template <class T> typename Acc<T>::type round_to(typename Acc<T>::type v) {
+  return to_acc(from_acc<T>(v));
+}
+
+uint32_t read_u32(const void* p, int64_t off) {
+  uint32_t v;
+  std::memcpy(&v, static_cast<const uint8_t*>(p) + off, 4);
+  return v;
+}
+
+// out[idx[j]] (+)= alpha * vals[j] for count entries, in the accumulator type.
+template <class T, class A>
+void scatter(const int32_t* idx, const T* vals, int64_t count, int64_t n, A alpha, A* acc,
+             const char* what) {
+  for (int64_t j = 0; j < count; ++j) {
+    const int64_t i = idx[j];
+    if (i < 0 || i >= n)
+      throw KernelError(std::string(what) + " payload index " + std::to_string(i) +
+                        " outside a tensor of " + std::to_string(n) + " elements");
+    acc[i] += alpha * to_acc(vals[j]);
+  }
+}
+
+// Sum over payloads of alpha * D(payload), each given as (indices, values, count).
+template <class F>
+void reduce_sparse(DType d, int64_t n, void* out, double alpha, bool accumulate, int64_t ranks,
+                   F&& entry, const char* what) {
+  dispatch_dtype(d, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    using A = typename Acc<T>::type;
+    T* o = static_cast<T*>(out);
+    std::vector<A> acc(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) acc[i] = accumulate ? to_acc(o[i]) : A(0);
+    for (int64_t r = 0; r < ranks; ++r) {
+      const int32_t* idx;
+      const void* vals;
+      int64_t count;
+      entry(r, &idx, &vals, &count);
+      scatter(idx, static_cast<const T*>(vals), count, n, static_cast<A>(alpha), acc.data(), what);
+    }
+    for (int64_t i = 0; i < n; ++i) o[i] = from_acc<T>(acc[i]);
+  });
+}
+
+// Indices (ascending) of the at most k largest |v|, DGC style: a threshold from a 1% strided
+// sample at the target density, lowered (up to 4 times) while fewer than 0.8k pass it, then
+// an exact top-k among the candidates (ties to the lower index) when more than k pass.
+template <class A>
+std::vector<int32_t> dgc_select(const A* v, int64_t n, int64_t k) {
+  std::vector<int32_t> cand;
+  if (k == 0 || n == 0) return cand;
+  const int64_t stride = std::max<int64_t>(1, n / std::max<int64_t>(1, n / 100));
+  std::vector<A> sample;
+  for (int64_t i = 0; i < n; i += stride) sample.push_back(std::fabs(v[i]));
+  const int64_t m = static_cast<int64_t>(sample.size());
+  std::sort(sample.begin(), sample.end(), std::greater<A>());
+  int64_t r = std::max<int64_t>(1, (k * m + n / 2) / n);
+  for (int attempt = 0; attempt < 5; ++attempt) {
+    const A thr = sample[std::min(r, m) - 1];
+    cand.clear();
+    for (int64_t i = 0; i < n; ++i)
+      if (std::fabs(v[i]) >= thr) cand.push_back(static_cast<int32_t>(i));
+    if (static_cast<int64_t>(cand.size()) * 5 >= k * 4 || r >= m) break;
+    r *= 2;
+  }
+  if (static_cast<int64_t>(cand.size()) > k) {
+    std::vector<int32_t> order(cand);
+    std::nth_element(order.begin(), order.begin() + (k - 1), order.end(), [&](int32_t a, int32_t b) {
+      const A fa = std::fabs(v[a]), fb = std::fabs(v[b]);
+      return fa != fb ? fa > fb : a < b;
+    });
+    order.resize(static_cast<size_t>(k));
+    std::sort(order.begin(), order.end());
+    cand.swap(order);
+  }
+  return cand;
+}
+
+}  // namespace
+
+int64_t threshold_capacity(DType d, int64_t n) { return kThrHeader + index_bytes(n) + n * dtype_size(d); }
+
+int64_t threshold_used(DType d, const void* payload) {
+  const int64_t c = read_u32(payload, 4);
+  return kThrHeader + index_bytes(c) + c * dtype_size(d);
+}
+
+void threshold_encode(DType d, const void* x, int64_t n, const Params& p, void* payload) {
+  auto* out = static_cast<uint8_t*>(payload);
+  auto* idx = reinterpret_cast<int32_t*>(out + kThrHeader);
+  dispatch_dtype(d, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    using A = typename Acc<T>::type;
+    const T* xs = static_cast<const T*>(x);
+    const A t = static_cast<A>(p.threshold);
+    int64_t c = 0;
+    for (int64_t i = 0; i < n; ++i)
+      if (!(std::fabs(to_acc(xs[i])) <= t)) idx[c++] = static_cast<int32_t>(i);  // NaN is sent
+    if (c % 2) idx[c] = 0;
+    T* vals = reinterpret_cast<T*>(out + kThrHeader + index_bytes(c));
+    for (int64_t j = 0; j < c; ++j) vals[j] = xs[idx[j]];
+    const uint32_t head[2] = {payload_tag(kThreshold, d), static_cast<uint32_t>(c)};
+    std::memcpy(out, head, 8);
+  });
+}
+
+void threshold_aggregate(DType d, const void* payloads, int64_t ranks, int64_t total, int64_t n,
+                         void* out, double alpha, bool acc) {
+  const auto* base = static_cast<const uint8_t*>(payloads);
+  std::vector<int64_t> offsets;
+  int64_t off = 0;
+  for (int64_t r = 0; r < ranks; ++r) {
+    if (off + kThrHeader > total)
+      throw KernelError("threshold: gathered payloads end after " + std::to_string(r) + " of " +
+                        std::to_string(ranks) + " ranks");
+    check_tag(base + off, kThreshold, d, r);
+    const int64_t c = read_u32(base + off, 4);
+    if (c > n)
+      throw KernelError("threshold payload from rank " + std::to_string(r) + " holds " +
+                        std::to_string(c) + " elements of a tensor of " + std::to_string(n));
+    offsets.push_back(off);
+    off += threshold_used(d, base + off);
+  }
+  if (off != total)
+    throw KernelError("threshold: gathered payloads are " + std::to_string(total) +
+                      " bytes, their headers add up to " + std::to_string(off));
+  reduce_sparse(d, n, out, alpha, acc, ranks, [&](int64_t r, const int32_t** idx, const void** vals,
+                                                  int64_t* count) {
+    const uint8_t* h = base + offsets[r];
+    *count = read_u32(h, 4);
+    *idx = reinterpret_cast<const int32_t*>(h + kThrHeader);
+    *vals = h + kThrHeader + index_bytes(*count);
+  }, "threshold");
+}
+
+int64_t dgc_payload_bytes(DType d, int64_t k) { return kDgcHeader + index_bytes(k) + k * dtype_size(d); }
+
+void dgc_encode(DType d, const void* x, void* u, void* v, int64_t n, const Params& p, void* payload) {
+  const int64_t k = p.k;
+  auto* out = static_cast<uint8_t*>(payload);
+  std::memset(out, 0, static_cast<size_t>(dgc_payload_bytes(d, k)));
+  auto* idx = reinterpret_cast<int32_t*>(out + kDgcHeader);
+  dispatch_dtype(d, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    using A = typename Acc<T>::type;
+    const T* xs = static_cast<const T*>(x);
+    T* us = static_cast<T*>(u);
+    T* vs = static_cast<T*>(v);
+    A scale = 1;
+    if (p.clip_norm > 0.0) {
+      double sq = 0.0;
+      for (int64_t i = 0; i < n; ++i) {
+        const double g = to_acc(xs[i]);
+        sq += g * g;
+      }
+      const double norm = std::sqrt(sq);
+      if (norm > p.clip_norm) scale = static_cast<A>(p.clip_norm / norm);
+    }
+    const A mf = static_cast<A>(p.momentum_factor);
+    std::vector<A> acc(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) {
+      const A ui = round_to<T>(mf * to_acc(us[i]) + to_acc(xs[i]) * scale);
+      const A vi = round_to<T>(to_acc(vs[i]) + ui);
+      us[i] = from_acc<T>(ui);
+      vs[i] = from_acc<T>(vi);
+      acc[i] = vi;
+    }
+    const std::vector<int32_t> sel = dgc_select(acc.data(), n, k);
+    T* vals = reinterpret_cast<T*>(out + kDgcHeader + index_bytes(k));
+    for (size_t j = 0; j < sel.size(); ++j) {
+      idx[j] = sel[j];
+      vals[j] = vs[sel[j]];
+      us[sel[j]] = from_acc<T>(A(0));  // momentum factor masking
+      vs[sel[j]] = from_acc<T>(A(0));
+    }
+    const uint32_t head[3] = {payload_tag(kDGC, d), static_cast<uint32_t>(k),
+                              static_cast<uint32_t>(sel.size())};
+    std::memcpy(out, head, 12);
+  });
+}
+
+void dgc_aggregate(DType d, const void* payloads, int64_t ranks, int64_t stride, int64_t n,
+                   const Params& p, void* out, double alpha, bool acc) {
+  const auto* base = static_cast<const uint8_t*>(payloads);
+  for (int64_t r = 0; r < ranks; ++r) {
+    const uint8_t* h = base + r * stride;
+    check_tag(h, kDGC, d, r);
+    if (read_u32(h, 4) != static_cast<uint64_t>(p.k) || read_u32(h, 8) > static_cast<uint64_t>(p.k))
+      throw KernelError("dgc payload from rank " + std::to_string(r) + " has capacity " +
+                        std::to_string(read_u32(h, 4)) + ", this rank k=" + std::to_string(p.k));
+  }
+  reduce_sparse(d, n, out, alpha, acc, ranks, [&](int64_t r, const int32_t** idx, const void** vals,
+                                                  int64_t* count) {
+    const uint8_t* h = base + r * stride;
+    *count = read_u32(h, 8);
+    *idx = reinterpret_cast<const int32_t*>(h + kDgcHeader);
+    *vals = h + kDgcHeader + index_bytes(p.k);
+  }, "dgc");
+}
+
+}  // namespace sparse
+}  // namespace hvdc

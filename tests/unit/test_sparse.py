@@ -1,0 +1,153 @@
+"""threshold (variable-size payloads) and DGC (stateful: momentum correction, sampled
+threshold, masking) against the numpy reference, bit for bit, plus DGC's density promise."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import hvd_compress as hc
+import numpy_ref as ref
+from helpers import params, payload_bytes, random_grad, same_bits, t2n
+from hvd_compress.torch import _C
+
+DTYPES = ["float32", "float16", "bfloat16", "float64"]
+THR, DGC = ref.CODEC_ID["threshold"], ref.CODEC_ID["dgc"]
+
+
+def threshold_encode(x, t):
+    p = params(threshold=t)
+    payload = _C.new_payload(THR, x, p)
+    _C.encode(THR, x, p, payload)
+    return payload[:_C.encoded_bytes(THR, payload, x, p)], p
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [0, 1, 7, 64, 1000, 20011])
+@pytest.mark.parametrize("t", [0.0, 0.5, 3.0, 1e9])
+def test_threshold_matches_reference(t, n, dtype):
+    x = random_grad(n, dtype, seed=n)
+    payload, p = threshold_encode(x, t)
+    want = ref.encode("threshold", t2n(x), dtype, threshold=t)
+    assert payload_bytes(payload) == want
+    full = _C.new_payload(THR, x, p)
+    full[:payload.numel()] = payload
+    out = torch.empty_like(x)
+    _C.decode(THR, full, out, p, 0.5, False)
+    assert same_bits(t2n(out), ref.decode("threshold", want, n, dtype, 0.5))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_threshold_aggregates_payloads_of_any_size_including_empty(dtype):
+    n = 5000
+    xs = [random_grad(n, dtype, seed=1), torch.zeros(n, dtype=random_grad(1, dtype).dtype),
+          random_grad(n, dtype, seed=2) * 10]
+    payloads = [threshold_encode(x, 2.0)[0] for x in xs]
+    assert payloads[1].numel() == 8  # nothing above the threshold: the header still travels
+    assert len({pl.numel() for pl in payloads}) == 3
+    out = torch.empty_like(xs[0])
+    _C.aggregate_concat(THR, torch.cat(payloads), 3, out, params(threshold=2.0), 1 / 3)
+    want = ref.aggregate("threshold", [payload_bytes(pl) for pl in payloads], n, dtype, 1 / 3)
+    assert same_bits(t2n(out), want)
+    with pytest.raises(ValueError, match="their headers add up to"):
+        _C.aggregate_concat(THR, torch.cat(payloads)[:-1], 3, out, params(threshold=2.0), 1.0)
+    with pytest.raises(ValueError, match="gathered payloads end after 3 of 4 ranks"):
+        _C.aggregate_concat(THR, torch.cat(payloads), 4, out, params(threshold=2.0), 1.0)
+
+
+def test_threshold_error_feedback_matches_reference():
+    n, t = 3000, 1.5
+    e, e_ref = torch.zeros(n), np.zeros(n, np.float32)
+    p = params(threshold=t)
+    for step in range(4):
+        x = random_grad(n, "float32", seed=step)
+        payload = _C.new_payload(THR, x, p)
+        _C.ef_encode(THR, x, e, torch.zeros(0), p, payload)
+        want, e_ref = ref.ef_encode("threshold", t2n(x), e_ref, "float32", threshold=t)
+        assert payload_bytes(payload)[:len(want)] == want
+        assert same_bits(t2n(e), e_ref)
+
+
+def dgc_step(x, u, v, k, **kw):
+    p = params(k=k, **kw)
+    payload = _C.new_payload(DGC, x, p)
+    _C.encode_with_state(DGC, x, [u, v], p, payload)
+    return payload, p
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k", [(0, 0), (1, 1), (50, 3), (3000, 30), (200003, 200)])
+@pytest.mark.parametrize("kw", [{}, {"momentum_factor": 0.5, "clip_norm": 5.0}])
+def test_dgc_matches_reference(kw, n, k, dtype):
+    u = torch.zeros(n, dtype=random_grad(1, dtype).dtype)
+    v = u.clone()
+    u_ref, v_ref = t2n(u), t2n(v)
+    for step in range(3):
+        x = random_grad(n, dtype, seed=10 * n + step)
+        payload, p = dgc_step(x, u, v, k, **kw)
+        want, u_ref, v_ref = ref.dgc_encode(t2n(x), u_ref, v_ref, dtype, k, **kw)
+        assert payload_bytes(payload) == want, f"step {step}"
+        assert same_bits(t2n(u), u_ref) and same_bits(t2n(v), v_ref)
+        out = torch.empty_like(x)
+        _C.decode(DGC, payload, out, p, 1.0, False)
+        assert same_bits(t2n(out), ref.decode("dgc", want, n, dtype, 1.0))
+
+
+@pytest.mark.parametrize("density", [0.001, 0.01, 0.05])
+def test_dgc_density_within_bounds_after_adaptation(density):
+    n = 300000
+    k = hc.parse_spec(f"dgc,k={density}").kernel_fields(n)["k"]
+    u, v = torch.zeros(n), torch.zeros(n)
+    for step in range(10):
+        g = torch.randn(n, generator=torch.Generator().manual_seed(step)) * torch.exp(
+            torch.randn(n, generator=torch.Generator().manual_seed(100 + step)))
+        payload, _ = dgc_step(g, u, v, k)
+        count = int(np.frombuffer(payload_bytes(payload)[8:12], np.uint32)[0])
+        assert 0.8 * k <= count <= 1.3 * k, (step, count, k)
+
+
+def test_dgc_masking_zeroes_exactly_the_sent_entries():
+    n, k = 10000, 50
+    u = torch.randn(n, generator=torch.Generator().manual_seed(1))
+    v = torch.randn(n, generator=torch.Generator().manual_seed(2))
+    x = torch.randn(n, generator=torch.Generator().manual_seed(3))
+    u_exp = 0.9 * u + x
+    v_exp = v + u_exp
+    payload, _ = dgc_step(x, u, v, k)
+    raw = payload_bytes(payload)
+    count = int(np.frombuffer(raw[8:12], np.uint32)[0])
+    idx = np.frombuffer(raw[16:16 + 4 * count], np.int32)
+    sent = np.frombuffer(raw[16 + 4 * k:16 + 4 * k + 4 * count], np.float32)
+    mask = np.zeros(n, bool)
+    mask[idx] = True
+    assert np.array_equal(sent, v_exp.numpy()[idx])  # the accumulated values are what is sent
+    assert (u.numpy()[mask] == 0).all() and (v.numpy()[mask] == 0).all()
+    assert np.array_equal(u.numpy()[~mask], u_exp.numpy()[~mask])
+    assert np.array_equal(v.numpy()[~mask], v_exp.numpy()[~mask])
+    # the sent ones are the largest accumulations
+    assert np.abs(v_exp.numpy()[mask]).min() >= np.sort(np.abs(v_exp.numpy()))[-count]
+
+
+def test_dgc_warmup_density_falls_geometrically_to_k():
+    cfg = hc.parse_spec("dgc,k=0.001,warmup_steps=4")
+    n = 1_000_000
+    ks = [cfg.kernel_fields(n, step)["k"] for step in range(6)]
+    assert ks[0] == 250000 and ks[4] == ks[5] == 1000
+    assert all(a > b for a, b in zip(ks[:4], ks[1:5]))
+    assert ks[2] == pytest.approx(np.sqrt(250000 * 1000), rel=1e-3)
+    assert "warmup_steps" not in cfg.kernel_fields(n)  # a schedule, not a kernel argument
+
+
+def test_dgc_needs_its_state_and_refuses_other_ranks_capacity():
+    x = torch.ones(100)
+    p = params(k=5)
+    payload = _C.new_payload(DGC, x, p)
+    with pytest.raises(ValueError, match="dgc keeps momentum and accumulation state"):
+        _C.encode(DGC, x, p, payload)
+    with pytest.raises(ValueError, match="dgc keeps 2 state tensor"):
+        _C.encode_with_state(DGC, x, [torch.zeros(100)], p, payload)
+    theirs = dgc_step(x, torch.zeros(100), torch.zeros(100), 6)[0]
+    ours = dgc_step(x, torch.zeros(100), torch.zeros(100), 5)[0]
+    gathered = torch.stack([ours.view(torch.uint8), theirs.view(torch.uint8)[:ours.numel()]])
+    with pytest.raises(ValueError, match="dgc payload from rank 1 has capacity 6, this rank k=5"):
+        _C.aggregate(DGC, gathered, torch.empty(100), p, 0.5)
