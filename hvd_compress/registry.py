@@ -58,6 +58,8 @@ class CodecInfo:
     min_dim: tensors with fewer dimensions travel uncompressed (DGC compresses weights only).
     replaces_momentum: the codec applies momentum itself; the optimizer's is turned off.
     frontends: where the codec runs.
+    rounds: collectives per step. 1: compress, one collective, decode. 2 (PowerSGD): the
+    frontend runs the codec's own two-allreduce pipeline (kernel_id is then unused).
     prescale_average: with op=Average the payload is divided by the world size before the sum
     (fp16: the sum of many ranks could overflow half precision).
     """
@@ -85,6 +87,7 @@ class CodecInfo:
     min_dim: int = 0
     replaces_momentum: bool = False
     frontends: tuple[str, ...] = ("torch", "tensorflow")
+    rounds: int = 1
 
     @property
     def linear(self) -> bool:
@@ -289,6 +292,33 @@ register(CodecInfo(
               "worker-side momentum would apply it twice"),)))
 
 
+register(CodecInfo(
+    name="powersgd", kernel_id=-1, collective="allreduce", aggregation="mean",
+    params=(Param("rank", int, 1, "an integer >= 1", "rank of the approximation P Q^T",
+                  lambda v: v >= 1, kernel=False),
+            Param("start_iter", int, 1000, "an integer >= 0",
+                  "plain allreduce for this many steps first (as PyTorch's PowerSGDState)",
+                  lambda v: v >= 0, kernel=False),
+            Param("min_compression_rate", float, 2.0, "a number >= 1",
+                  "compress a matrix only if rows*cols / ((rows+cols)*rank) reaches this",
+                  lambda v: v >= 1, kernel=False),
+            Param("error_feedback", bool, True, "true or false",
+                  "keep what the approximation missed and add it next step", kernel=False),
+            Param("warm_start", bool, True, "true or false",
+                  "start each step's power iteration from the last Q", kernel=False),
+            Param("orthogonalization_epsilon", float, 0.0, "a number >= 0",
+                  "added to column norms in Gram-Schmidt (guards zero columns)",
+                  lambda v: v >= 0, kernel=False)),
+    wire="P (rows x rank) then Q (cols x rank), float32 (float64 for float64 gradients)",
+    doc="PowerSGD (Vogels et al. 2019): rank-r power iteration, P and Q allreduced in two rounds, "
+        "error feedback and warm start; 1-D and weakly compressible tensors go uncompressed",
+    bits_per_element=lambda isz: 0.0, builtin_ef=False, uses_seed=True, frontends=("torch",),
+    rounds=2,
+    collective_note="two allreduces per step, P then Q",
+    rejects=(("ef=vanilla", "PowerSGD keeps its own residual (error_feedback=true, the "
+              "default); a second one would add it twice"),)))
+
+
 def codec_table() -> str:
     """The README's codec table, generated so the documentation cannot drift from the registry."""
     lines = ["| codec | parameters (default) | collective | bytes on the wire per fp32 element | "
@@ -302,7 +332,9 @@ def codec_table() -> str:
             params += "; PyTorch only"
         if c.uses_seed:
             params += "; uses `seed`" + (" (per rank)" if c.seed_per_rank else "")
-        if "k" in [p.name for p in c.params]:
+        if c.rounds == 2:
+            wire = "(rows + cols) * rank * 4 per matrix"
+        elif "k" in [p.name for p in c.params]:
             per_kept = c.bits_per_element(4) / 8
             wire = f"{per_kept:g} per kept element ({per_kept * 0.01:g} at k=0.01)"
         else:

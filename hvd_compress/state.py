@@ -68,6 +68,10 @@ class StateStore:
         self._slots[name][kind] = held
         return held
 
+    def contains(self, name: str, kind: str) -> bool:
+        """Whether the slot exists, live or waiting in a loaded checkpoint."""
+        return kind in self._slots.get(name, {}) or kind in self._pending.get(name, {})
+
     def peek(self, name: str, kind: str) -> Any:
         """The live slot, or None when it does not exist (yet)."""
         return self._slots.get(name, {}).get(kind)

@@ -134,6 +134,59 @@ void encode_with_state(int64_t codec, const at::Tensor& x, std::vector<at::Tenso
                           static_cast<int64_t>(ptrs.size()), xc.numel(), p, payload.data_ptr());
 }
 
+// PowerSGD: M is the 2-D gradient view, P [rows, r] and Qt [r, cols] in its accumulator type.
+at::ScalarType factor_type(const at::Tensor& m) {
+  return m.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+void check_factor(const at::Tensor& f, const at::Tensor& m, int64_t d0, int64_t d1, const char* what) {
+  check_cpu(f, what);
+  if (f.scalar_type() != factor_type(m) || f.dim() != 2 || f.size(0) != d0 || f.size(1) != d1 ||
+      !f.is_contiguous())
+    throw hvdc::KernelError(std::string(what) + " must be a contiguous " +
+                            std::string(c10::toString(factor_type(m))) + " [" + std::to_string(d0) +
+                            ", " + std::to_string(d1) + "] tensor");
+}
+
+void check_matrix(const at::Tensor& m, const char* what) {
+  check_cpu(m, what);
+  if (m.dim() != 2 || !m.is_contiguous())
+    throw hvdc::KernelError(std::string(what) + " must be a contiguous 2-D tensor");
+}
+
+void powersgd_project(const at::Tensor& g, at::Tensor& e, bool ef, const at::Tensor& qt,
+                      at::Tensor& p) {
+  check_matrix(g, "gradient matrix");
+  if (ef) check_out(e, g, "error-feedback residual");
+  check_factor(qt, g, qt.size(0), g.size(1), "Qt");
+  check_factor(p, g, g.size(0), qt.size(0), "P");
+  hvdc::powersgd_project(dtype_of(g, "gradient"), g.data_ptr(), ef ? e.data_ptr() : nullptr, ef,
+                         g.size(0), g.size(1), qt.data_ptr(), qt.size(0), p.data_ptr());
+}
+
+void powersgd_orthogonalize(at::Tensor& p, double eps) {
+  check_matrix(p, "P");
+  hvdc::powersgd_orthogonalize(p.scalar_type() == at::kDouble ? hvdc::kF64 : hvdc::kF32,
+                               p.data_ptr(), p.size(0), p.size(1), eps);
+}
+
+void powersgd_back_project(const at::Tensor& m, const at::Tensor& p, at::Tensor& qt) {
+  check_matrix(m, "matrix");
+  check_factor(p, m, m.size(0), p.size(1), "P");
+  check_factor(qt, m, p.size(1), m.size(1), "Qt");
+  hvdc::powersgd_back_project(dtype_of(m, "matrix"), m.data_ptr(), m.size(0), m.size(1),
+                              p.data_ptr(), p.size(1), qt.data_ptr());
+}
+
+void powersgd_reconstruct(const at::Tensor& p, const at::Tensor& qt, at::Tensor& out,
+                          double alpha, bool subtract) {
+  check_matrix(out, "output");
+  check_factor(p, out, out.size(0), p.size(1), "P");
+  check_factor(qt, out, p.size(1), out.size(1), "Qt");
+  hvdc::powersgd_reconstruct(dtype_of(out, "output"), p.data_ptr(), qt.data_ptr(), out.size(0),
+                             out.size(1), p.size(1), out.data_ptr(), alpha, subtract);
+}
+
 float* carry_of(int64_t codec, at::Tensor& carry) {
   const int64_t want = hvdc::ef_carry_size(static_cast<hvdc::CodecId>(codec));
   check_cpu(carry, "error-feedback carry");
@@ -199,6 +252,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("ef_settle", &ef_settle, G());
   m.def("ef_carry_size", &ef_carry_size);
   m.def("aggregate_concat", &aggregate_concat, G());
+  m.def("powersgd_project", &powersgd_project, G());
+  m.def("powersgd_orthogonalize", &powersgd_orthogonalize, G());
+  m.def("powersgd_back_project", &powersgd_back_project, G());
+  m.def("powersgd_reconstruct", &powersgd_reconstruct, G());
   m.def("encoded_bytes", &encoded_bytes, G());
   m.def("encode_with_state", &encode_with_state, G());
   m.def("state_count", [](int64_t c) { return hvdc::state_count(static_cast<hvdc::CodecId>(c)); });

@@ -29,6 +29,7 @@ from ..spec import CompressionConfig
 from ..state import StateStore
 from ..stats import CompressionStats
 from .codec import DTYPE_NAMES, TorchAdapter, TorchCodec
+from .powersgd import PowerSGDReduction
 from ..compressor import CompressorBase
 from .compression import Compression
 
@@ -57,6 +58,9 @@ class _CompressedReduction:
         self._hvdc_stats = CompressionStats()
         self._hvdc_codec = TorchCodec(config, self._hvdc_store, rank=process_set.rank(),
                                       world=process_set.size())
+        self._hvdc_powersgd = (PowerSGDReduction(config, self._hvdc_store, process_set,
+                                                 average=op == hvd.Average)
+                               if config.info.rounds == 2 else None)
         _DistributedOptimizer.__init__(
             self, params, named_parameters, hvd.Compression.none,
             backward_passes_per_step=backward_passes_per_step, op=op,
@@ -77,6 +81,8 @@ class _CompressedReduction:
                 self._hvdc_stats.record(name, "none", nbytes, nbytes)
             return handle, ctx
 
+        if self._hvdc_powersgd is not None:
+            return self._powersgd_grad_async(p, name, grad)
         codec, info = self._hvdc_codec, self._hvdc_codec.info
         prescale, alpha = info.average_factors(self.op == hvd.Average, self.process_set.size())
         enc = codec.encode(name, grad, prescale=prescale)
@@ -96,7 +102,23 @@ class _CompressedReduction:
 
         return finish, None
 
+    def _powersgd_grad_async(self, p, name, grad):
+        step = self._hvdc_powersgd.compressed_step(name, grad)
+        nbytes = grad.numel() * grad.element_size()
+        if step is None:
+            self._hvdc_stats.record(name, "none", nbytes, nbytes)
+            return _DistributedOptimizer._allreduce_grad_async(self, p)
+        pending = self._hvdc_powersgd.start(name, grad, step)
+        sent = (pending.p.numel() + pending.qt.numel()) * pending.p.element_size()
+        self._hvdc_stats.record(name, "powersgd", nbytes, sent)
+        return pending, None
+
     def synchronize(self):
+        # Two-round codecs: every first round is finished and every second round issued before
+        # Horovod's loop waits on any result, so the second allreduces overlap each other.
+        for handle, _ in list(self._handles.values()):
+            if hasattr(handle, "prepare"):
+                handle.prepare()
         _DistributedOptimizer.synchronize(self)
         self._hvdc_stats.end_step()
 

@@ -176,7 +176,8 @@ _baseline = {}
                                   "randomk,k=0.05,ef=vanilla", "minmax8,ef=vanilla",
                                   "dithering,ef=vanilla", "qsgd,ef=vanilla", "terngrad,ef=vanilla",
                                   "natural,ef=vanilla", "threshold,threshold=0.002,ef=vanilla",
-                                  "dgc,k=0.05", "topk,k=0.05,ef=vanilla,"
+                                  "dgc,k=0.05", "powersgd,rank=2,start_iter=10",
+                                  "topk,k=0.05,ef=vanilla,"
                                   "momentum=nesterov,mu=0.5"])
 def test_training_reaches_uncompressed_loss(spec):
     if "none" not in _baseline:
@@ -321,3 +322,150 @@ def test_bad_optimizer_arguments():
         hvdc.DistributedOptimizer(sgd, compression="topk", min_compress_bytes=-1)
     with pytest.raises(ValueError, match="unknown codec"):
         hvdc.DistributedOptimizer(sgd, compression="topkk")
+
+
+# ---- PowerSGD -------------------------------------------------------------------------------
+class PowerSGDSimulation:
+    """Both ranks' PowerSGD steps in float64 numpy (the kernels sum in a different order, so
+    results are compared with a tolerance)."""
+
+    def __init__(self, spec, name, world):
+        from hvd_compress.torch.powersgd import PowerSGDState
+        self.cfg = hc.parse_spec(spec)
+        self.st = PowerSGDState.from_config(self.cfg)
+        self.name, self.world = name, world
+        self.e = None
+        self.qt = None
+        self.step = 0
+
+    def __call__(self, grads):
+        from hvd_compress.torch.powersgd import initial_q
+        st, step = self.st, self.step
+        self.step += 1
+        mats = [g.reshape(g.shape[0], -1).astype(np.float64) for g in grads]
+        if step < st.start_iter or not st.compresses(torch.Size(grads[0].shape)):
+            return sum(mats) / self.world
+        rows, cols = mats[0].shape
+        if self.e is None:
+            self.e = [np.zeros_like(m) for m in mats]
+        if self.qt is None or not st.warm_start:
+            self.qt = initial_q(st.seed, self.name, step, st.rank, cols, torch.float64).numpy()
+        if st.error_feedback:
+            mats = [m + e for m, e in zip(mats, self.e)]
+        p = sum(m @ self.qt.T for m in mats)
+        for c in range(st.rank):
+            p[:, c] /= np.linalg.norm(p[:, c]) + st.orthogonalization_epsilon
+            for c2 in range(c + 1, st.rank):
+                p[:, c2] -= (p[:, c] @ p[:, c2]) * p[:, c]
+        qs = [m.T @ p for m in mats]
+        if st.error_feedback:
+            self.e = [m - p @ q.T for m, q in zip(mats, qs)]
+        q = sum(qs) / self.world
+        self.qt = q.T.copy()
+        return p @ q.T
+
+
+def powersgd_optimizer(spec, shapes, dtype=torch.float32):
+    params = [(f"p{i}", torch.nn.Parameter(torch.zeros(s, dtype=dtype))) for i, s in enumerate(shapes)]
+    opt = hvdc.DistributedOptimizer(torch.optim.SGD([p for _, p in params], lr=0.0),
+                                    named_parameters=params, compression=spec, min_compress_bytes=0)
+    return params, opt
+
+
+def powersgd_step(params, opt, grads):
+    opt.zero_grad()
+    sum((p * torch.from_numpy(g[RANK]).to(p.dtype)).sum() for (_, p), g in zip(params, grads)).backward()
+    opt.synchronize()
+    out = [p.grad.detach().clone() for _, p in params]
+    with opt.skip_synchronize():
+        opt.step()
+    return out
+
+
+@pytest.mark.parametrize("spec,dtype,tol", [
+    ("powersgd,rank=1,start_iter=0", torch.float32, 1e-4),
+    ("powersgd,rank=2,start_iter=2,seed=5", torch.float64, 1e-10),
+    ("powersgd,rank=3,start_iter=0,error_feedback=false", torch.float64, 1e-10),
+    ("powersgd,rank=2,start_iter=0,warm_start=false,orthogonalization_epsilon=1e-8", torch.float64,
+     1e-10)])
+def test_powersgd_equals_simulation(spec, dtype, tol):
+    shapes = [(40, 6, 5), (70,), (3, 4)]
+    params, opt = powersgd_optimizer(spec, shapes, dtype)
+    sims = [PowerSGDSimulation(spec, f"p{i}", WORLD) for i in range(len(shapes))]
+    rng = np.random.default_rng(0)
+    for step in range(5):
+        grads = [[rng.standard_normal(s) for _ in range(WORLD)] for s in shapes]
+        got = powersgd_step(params, opt, grads)
+        for g, sim, gs in zip(got, sims, grads):
+            np.testing.assert_allclose(g.double().numpy().reshape(gs[0].shape[0], -1), sim(gs),
+                                       rtol=tol, atol=tol)
+    codecs = {n: t.codec for n, t in opt.compression_stats.tensors.items()}
+    assert codecs == {"p0": "powersgd", "p1": "none", "p2": "none"}  # 1-D and 12/(7*r) < 2
+
+
+def test_powersgd_on_low_rank_gradients_equals_plain_allreduce():
+    rng = np.random.default_rng(1)
+    u = rng.standard_normal((50, 2))  # shared column space, rank 2
+    params, opt = powersgd_optimizer("powersgd,rank=2,start_iter=0", [(50, 30)], torch.float64)
+    for step in range(3):
+        grads = [[u @ np.random.default_rng(10 * step + r).standard_normal((2, 30))
+                  for r in range(WORLD)]]
+        got = powersgd_step(params, opt, grads)[0].numpy()
+        np.testing.assert_allclose(got, sum(grads[0]) / WORLD, rtol=1e-9, atol=1e-9)
+
+
+def test_powersgd_error_feedback_invariant_float64():
+    """sum of applied updates + mean residual == sum of mean gradients, at every step."""
+    params, opt = powersgd_optimizer("powersgd,rank=1,start_iter=0", [(30, 20)], torch.float64)
+    applied = np.zeros((30, 20))
+    true = np.zeros((30, 20))
+    rng = np.random.default_rng(2)
+    for step in range(6):
+        grads = [[rng.standard_normal((30, 20)) for _ in range(WORLD)]]
+        applied += powersgd_step(params, opt, grads)[0].numpy()
+        true += sum(grads[0]) / WORLD
+        e = opt.compression_state_dict()["slots"]["p0"]["ef"]
+        mean_e = hvd.allreduce(torch.from_numpy(e), op=hvd.Average, name=f"e{step}").numpy()
+        np.testing.assert_allclose(applied + mean_e, true, rtol=1e-10, atol=1e-10)
+
+
+def test_powersgd_warm_start_keeps_q_and_cold_start_redraws_it():
+    from hvd_compress.torch.powersgd import initial_q
+    rng = np.random.default_rng(3)
+    grads = [[[rng.standard_normal((40, 25)) for _ in range(WORLD)]] for _ in range(3)]
+    qts = {}
+    for warm in ("true", "false"):
+        params, opt = powersgd_optimizer(f"powersgd,start_iter=0,warm_start={warm}", [(40, 25)],
+                                         torch.float64)
+        seen = []
+        for g in grads:
+            powersgd_step(params, opt, g)
+            seen.append(opt.compression_state_dict()["slots"]["p0"]["powersgd_qt"].copy())
+        qts[warm] = seen
+    assert not np.allclose(qts["true"][0], qts["true"][1])  # Q moves with the gradients
+    first = initial_q(0, "p0", 0, 1, 25, torch.float64).numpy()
+    assert not np.allclose(qts["true"][0], first)
+    # cold start: every step begins from a fresh draw, so step 1's result differs from warm
+    assert not np.allclose(qts["true"][1], qts["false"][1])
+
+
+def test_powersgd_checkpoint_restart_is_bit_exact():
+    spec = "powersgd,rank=2,start_iter=3"
+    full_model, _, _ = train(spec, steps=20)
+    model, opt, _ = train(spec, steps=10)
+    saved = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()),
+             opt.compression_state_dict())
+    model2 = make_model(seed=123)
+    model2.load_state_dict(saved[0])
+    opt2 = hvdc.DistributedOptimizer(torch.optim.SGD(model2.parameters(), lr=0.05),
+                                     named_parameters=model2.named_parameters(),
+                                     compression=spec, min_compress_bytes=0)
+    opt2.load_state_dict(saved[1])
+    opt2.load_compression_state_dict(saved[2])
+    xs, ys = regression_data(RANK, 20)
+    for i in range(10, 20):
+        opt2.zero_grad()
+        torch.nn.functional.mse_loss(model2(xs[i]), ys[i]).backward()
+        opt2.step()
+    for a, b in zip(full_model.parameters(), model2.parameters()):
+        assert torch.equal(a, b)

@@ -66,6 +66,8 @@ def test_defaults_filled_and_canonical_round_trip():
                               "itself"),
     ("dgc,ef=none", "dgc has error feedback built in (it keeps what it did not send)"),
     ("dgc,warmup_steps=1.5", "dgc: warmup_steps must be an integer, got '1.5'"),
+    ("powersgd,ef=vanilla", "powersgd with ef=vanilla is refused: PowerSGD keeps its own"),
+    ("powersgd,rank=0", "powersgd: rank must be an integer >= 1, got 0"),
     ("threshold,threshold=-1", "threshold: threshold must be a number >= 0, got -1.0"),
     ("randomk,rescale=true,ef=vanilla", "randomk with rescale=true,ef=vanilla is refused: error "
                                         "feedback would"),
@@ -82,12 +84,12 @@ def test_bad_specs_name_the_problem(spec, message):
 def test_registry_describes_every_codec():
     names = [c.name for c in hc.codecs()]
     assert names == ["none", "fp16", "bf16", "onebit", "signsgd", "efsignsgd", "topk", "randomk",
-                     "minmax8", "dithering", "qsgd", "terngrad", "natural", "threshold", "dgc"]
+                     "minmax8", "dithering", "qsgd", "terngrad", "natural", "threshold", "dgc", "powersgd"]
     for c in hc.codecs():
         assert c.collective in ("allreduce", "allgather")
         assert c.aggregation in ("mean", "majority")
         assert c.wire and c.doc
-    assert [c.name for c in hc.codecs() if c.linear] == ["none", "fp16", "randomk"]
+    assert [c.name for c in hc.codecs() if c.linear] == ["none", "fp16", "randomk", "powersgd"]
     assert hc.get_codec("bf16").collective_note  # says why bf16 is gathered
 
 

@@ -102,6 +102,20 @@ int64_t state_count(CodecId codec);
 void encode_with_state(CodecId codec, DType dtype, const void* x, void* const* state,
                        int64_t nstate, int64_t n, const Params& p, void* payload);
 
+// PowerSGD passes (csrc/cpu/powersgd.cc). M is rows x cols in the gradient dtype; P (rows x r)
+// and Qt (r x cols, Q transposed) are float32, float64 for float64 gradients.
+// project: M = g + e (stored into e when ef), P = M Q.
+void powersgd_project(DType dtype, const void* g, void* e, bool ef, int64_t rows, int64_t cols,
+                      const void* qt, int64_t r, void* p);
+// Gram-Schmidt on P's columns: each divided by (its norm + eps), later ones made orthogonal.
+void powersgd_orthogonalize(DType dtype, void* p, int64_t rows, int64_t r, double eps);
+// Qt = (M^T P)^T.
+void powersgd_back_project(DType dtype, const void* m, int64_t rows, int64_t cols, const void* p,
+                           int64_t r, void* qt);
+// out = alpha * P Q^T, or out = out - P Q^T (the local residual) when subtract_from_out.
+void powersgd_reconstruct(DType dtype, const void* p, const void* qt, int64_t rows, int64_t cols,
+                          int64_t r, void* out, double alpha, bool subtract_from_out);
+
 // Worker-side Nesterov momentum, in place on x: m = mu * m + x; x = mu * m + x.
 void nesterov(DType dtype, void* x, void* m, int64_t n, double mu);
 

@@ -1,0 +1,134 @@
+// PowerSGD (Vogels et al. 2019) kernels: the memory-bound passes over a gradient matrix M
+// (rows x cols, row-major) with a rank-r factor pair. P is rows x r (row-major); Q is kept
+// transposed, r x cols, so every pass streams M's rows against contiguous Q rows. P and Q are
+// float32 (float64 for float64 gradients). Dot products use eight fixed partial sums, so the
+// results do not depend on the instructions the compiler picks.
+#include <cmath>
+#include <vector>
+
+#include "common.h"
+
+namespace hvdc {
+namespace {
+
+template <class A, class Row>
+A dot8(Row&& row_at, const A* b, int64_t n) {
+  A s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8)
+    for (int l = 0; l < 8; ++l) s[l] += row_at(j + l) * b[j + l];
+  for (int l = 0; j < n; ++j, ++l) s[l] += row_at(j) * b[j];
+  return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+}
+
+template <class F> void dispatch_factors(DType d, F&& fn) {
+  dispatch_dtype(d, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    fn(tag, static_cast<typename Acc<T>::type*>(nullptr));
+  });
+}
+
+void check_shape(int64_t rows, int64_t cols, int64_t r) {
+  if (rows < 0 || cols < 0 || r < 1)
+    throw KernelError("powersgd: need rows, cols >= 0 and rank >= 1, got " + std::to_string(rows) +
+                      " x " + std::to_string(cols) + ", rank " + std::to_string(r));
+}
+
+}  // namespace
+
+void powersgd_project(DType d, const void* g, void* e, bool ef, int64_t rows, int64_t cols,
+                      const void* qt, int64_t r, void* p) {
+  check_shape(rows, cols, r);
+  dispatch_factors(d, [&](auto* ttag, auto* atag) {
+    using T = std::remove_pointer_t<decltype(ttag)>;
+    using A = std::remove_pointer_t<decltype(atag)>;
+    const T* gs = static_cast<const T*>(g);
+    T* es = static_cast<T*>(e);
+    const A* q = static_cast<const A*>(qt);
+    A* ps = static_cast<A*>(p);
+    std::vector<A> m(static_cast<size_t>(cols));
+    for (int64_t i = 0; i < rows; ++i) {
+      const T* gr = gs + i * cols;
+      if (ef) {  // e holds M = g + e until the residual is taken
+        T* er = es + i * cols;
+        for (int64_t j = 0; j < cols; ++j) {
+          er[j] = from_acc<T>(to_acc(gr[j]) + to_acc(er[j]));
+          m[j] = to_acc(er[j]);
+        }
+      } else {
+        for (int64_t j = 0; j < cols; ++j) m[j] = to_acc(gr[j]);
+      }
+      for (int64_t c = 0; c < r; ++c)
+        ps[i * r + c] = dot8<A>([&](int64_t j) { return m[j]; }, q + c * cols, cols);
+    }
+  });
+}
+
+void powersgd_orthogonalize(DType d, void* p, int64_t rows, int64_t r, double eps) {
+  check_shape(rows, 1, r);
+  dispatch_factors(d, [&](auto*, auto* atag) {
+    using A = std::remove_pointer_t<decltype(atag)>;
+    A* ps = static_cast<A*>(p);
+    for (int64_t c = 0; c < r; ++c) {
+      A sq = 0;
+      for (int64_t i = 0; i < rows; ++i) sq += ps[i * r + c] * ps[i * r + c];
+      const A norm = std::sqrt(sq) + static_cast<A>(eps);
+      for (int64_t i = 0; i < rows; ++i) ps[i * r + c] /= norm;
+      for (int64_t c2 = c + 1; c2 < r; ++c2) {
+        A proj = 0;
+        for (int64_t i = 0; i < rows; ++i) proj += ps[i * r + c] * ps[i * r + c2];
+        for (int64_t i = 0; i < rows; ++i) ps[i * r + c2] -= proj * ps[i * r + c];
+      }
+    }
+  });
+}
+
+void powersgd_back_project(DType d, const void* mat, int64_t rows, int64_t cols, const void* p,
+                           int64_t r, void* qt) {
+  check_shape(rows, cols, r);
+  dispatch_factors(d, [&](auto* ttag, auto* atag) {
+    using T = std::remove_pointer_t<decltype(ttag)>;
+    using A = std::remove_pointer_t<decltype(atag)>;
+    const T* ms = static_cast<const T*>(mat);
+    const A* ps = static_cast<const A*>(p);
+    A* q = static_cast<A*>(qt);
+    std::fill(q, q + r * cols, A(0));
+    for (int64_t i = 0; i < rows; ++i) {
+      const T* mr = ms + i * cols;
+      for (int64_t c = 0; c < r; ++c) {
+        const A pc = ps[i * r + c];
+        A* qc = q + c * cols;
+        for (int64_t j = 0; j < cols; ++j) qc[j] += to_acc(mr[j]) * pc;
+      }
+    }
+  });
+}
+
+void powersgd_reconstruct(DType d, const void* p, const void* qt, int64_t rows, int64_t cols,
+                          int64_t r, void* out, double alpha, bool subtract_from_out) {
+  check_shape(rows, cols, r);
+  dispatch_factors(d, [&](auto* ttag, auto* atag) {
+    using T = std::remove_pointer_t<decltype(ttag)>;
+    using A = std::remove_pointer_t<decltype(atag)>;
+    const A* ps = static_cast<const A*>(p);
+    const A* q = static_cast<const A*>(qt);
+    T* o = static_cast<T*>(out);
+    const A a = static_cast<A>(alpha);
+    std::vector<A> row(static_cast<size_t>(cols));
+    for (int64_t i = 0; i < rows; ++i) {
+      std::fill(row.begin(), row.end(), A(0));
+      for (int64_t c = 0; c < r; ++c) {
+        const A pc = ps[i * r + c];
+        const A* qc = q + c * cols;
+        for (int64_t j = 0; j < cols; ++j) row[j] += pc * qc[j];
+      }
+      T* orow = o + i * cols;
+      if (subtract_from_out)
+        for (int64_t j = 0; j < cols; ++j) orow[j] = from_acc<T>(to_acc(orow[j]) - row[j]);
+      else
+        for (int64_t j = 0; j < cols; ++j) orow[j] = from_acc<T>(a * row[j]);
+    }
+  });
+}
+
+}  // namespace hvdc
