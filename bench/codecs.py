@@ -30,20 +30,47 @@ def median_seconds(fn, runs):
     return statistics.median(times)
 
 
+def ours_powersgd(spec, x):
+    """The local work of one PowerSGD step on x viewed as a matrix (the two allreduces
+    excluded): compress = M = g + e, P = M Q, orthogonalise P, Q = M^T P, e = M - P Q^T;
+    decompress = P Q^T."""
+    rank = hc.parse_spec(spec).param_dict["rank"]
+    m = x.view(ROWS_OF_MATRIX, -1)
+    e = torch.zeros_like(m)
+    qt = torch.randn(rank, m.shape[1])
+    p = torch.empty(m.shape[0], rank)
+    q = torch.empty_like(qt)
+    out = torch.empty_like(m)
+
+    def compress():
+        _C.powersgd_project(m, e, True, qt, p)
+        _C.powersgd_orthogonalize(p, 0.0)
+        _C.powersgd_back_project(e, p, q)
+        _C.powersgd_reconstruct(p, q, e, 1.0, True)
+    compress()
+    return compress, lambda: _C.powersgd_reconstruct(p, q, out, 1.0, False), (p.numel() + q.numel()) * 4
+
+
 def ours(spec, x):
     cfg = hc.parse_spec(spec)
+    if cfg.info.rounds == 2:
+        return ours_powersgd(spec, x)
     kid = cfg.info.kernel_id
     p = kernel_params(cfg, x.numel(), seed=12345)
     payload = _C.new_payload(kid, x, p)
     out = torch.empty_like(x)
     e = torch.zeros_like(x)
     carry = torch.zeros(_C.ef_carry_size(kid))
-    if cfg.ef == "vanilla":
+    if cfg.info.state_slots:
+        u, v = torch.zeros_like(x), torch.zeros_like(x)
+        compress = lambda: _C.encode_with_state(kid, x, [u, v], p, payload)  # noqa: E731
+    elif cfg.ef == "vanilla":
         compress = lambda: _C.ef_encode(kid, x, e, carry, p, payload)  # noqa: E731
     else:
         compress = lambda: _C.encode(kid, x, p, payload)  # noqa: E731
     compress()
-    return compress, lambda: _C.decode(kid, payload, out, p, 1.0, False), payload.numel() * payload.element_size()
+    wire = _C.encoded_bytes(kid, payload, x, p)
+    return compress, lambda: _C.decode(kid, payload, out, p, 1.0, False), wire
 
 
 def torch_ops(name, x, k):
@@ -96,11 +123,74 @@ def torch_ops(name, x, k):
             state["q"] = ((v - lo) * (255 / (hi - lo))).round_().to(torch.uint8)
         c8()
         return c8, lambda: state["lo"] + state["q"].float() * state["step"]
+    if name in ("dithering", "qsgd", "terngrad"):  # linear levels, stochastic rounding, int8 codes
+        s = {"dithering": 8, "qsgd": 127, "terngrad": 1}[name]
+
+        def cq():
+            a = x.abs()
+            if name == "qsgd":
+                norm = torch.linalg.vector_norm(x)
+            elif name == "terngrad":
+                norm = torch.minimum(a.max(), 2.5 * x.std())
+            else:
+                norm = a.max()
+            t = (a * (s / norm)).clamp_(max=s)
+            f = t.floor()
+            lev = f + (torch.rand_like(t) < t - f)
+            state["q"], state["norm"] = (lev * x.sign()).to(torch.int8), norm
+        cq()
+        return cq, lambda: state["q"].float() * (state["norm"] / s)
+    if name == "natural":
+        def cn():
+            m, ex = torch.frexp(x.abs())
+            up = torch.rand_like(x) < 2 * m - 1
+            state["e"], state["s"] = (ex - 1 + up).to(torch.int8), x < 0
+        cn()
+        return cn, lambda: torch.where(state["s"], -1.0, 1.0) * torch.ldexp(torch.ones_like(x), state["e"].float())
+    if name == "threshold":
+        def ct():
+            state["i"] = (x.abs() > THRESHOLD).nonzero().view(-1)
+            state["v"] = x[state["i"]]
+        ct()
+        return ct, lambda: torch.zeros_like(x).scatter_(0, state["i"], state["v"])
+    if name == "dgc":  # momentum correction, 1% sample threshold, masking
+        u, v = torch.zeros_like(x), torch.zeros_like(x)
+
+        def cd():
+            u.mul_(0.9).add_(x)
+            v.add_(u)
+            a = v.abs()
+            sample = a[::100]
+            thr = torch.topk(sample, max(1, k // 100 // 10), sorted=False).values.min()
+            idx = (a >= thr).nonzero().view(-1)
+            state["i"], state["v"] = idx, v[idx]
+            u[idx] = 0
+            v[idx] = 0
+        cd()
+        return cd, lambda: torch.zeros_like(x).scatter_(0, state["i"], state["v"])
+    if name == "powersgd":  # the same step from torch.matmul and torch.linalg.qr
+        m = x.view(ROWS_OF_MATRIX, -1)
+        e = torch.zeros_like(m)
+        qt = torch.randn(2, m.shape[1])
+
+        def cp():
+            mm = m + e
+            p, _ = torch.linalg.qr(mm @ qt.T)
+            q = mm.T @ p
+            e.copy_(mm - p @ q.T)
+            state["p"], state["q"] = p, q
+        cp()
+        return cp, lambda: state["p"] @ state["q"].T
     raise KeyError(name)
 
 
+ROWS_OF_MATRIX = 5000  # PowerSGD views the gradient as a 5000-row matrix
+THRESHOLD = 2.576  # keeps ~1% of a standard normal gradient
 ROWS = [("fp16", "fp16"), ("bf16", "bf16"), ("onebit", "onebit"), ("signsgd", "signsgd"),
-        ("efsignsgd", "efsignsgd"), ("topk", "topk,k=0.01"), ("randomk", "randomk,k=0.01"), ("minmax8", "minmax8")]
+        ("efsignsgd", "efsignsgd"), ("topk", "topk,k=0.01"), ("randomk", "randomk,k=0.01"),
+        ("minmax8", "minmax8"), ("dithering", "dithering"), ("qsgd", "qsgd"),
+        ("terngrad", "terngrad"), ("natural", "natural"), ("threshold", f"threshold,threshold={THRESHOLD}"),
+        ("dgc", "dgc,k=0.001"), ("powersgd", "powersgd,rank=2")]
 
 
 def main():
@@ -115,6 +205,8 @@ def main():
     x = torch.randn(n, generator=torch.Generator().manual_seed(0))
     gb = n * 4 / 1e9
     k = hc.get_codec("topk").kept({"k": 0.01}, n)
+    n = n // ROWS_OF_MATRIX * ROWS_OF_MATRIX
+    x = x[:n]
 
     y = torch.empty_like(x)
     copy_s = median_seconds(lambda: y.copy_(x), args.runs)
@@ -123,7 +215,7 @@ def main():
           f"median of {args.runs}; SIMD path: {_C.cpu_isa()}")
     print(f"memory on this machine: read-only x.sum() {gb / read_s:.1f} GB/s, "
           f"copy y.copy_(x) {gb / copy_s:.1f} GB/s")
-    header = (f"| {'codec':14s} | {'wire bytes':>12s} | {'compress GB/s':>13s} | "
+    header = (f"| {'codec':24s} | {'wire bytes':>12s} | {'compress GB/s':>13s} | "
               f"{'torch ops GB/s':>14s} | {'speedup':>7s} | {'decompress GB/s':>15s} | "
               f"{'torch ops GB/s':>14s} |")
     print(header)
@@ -138,7 +230,7 @@ def main():
              "decompress_gbps": gb / median_seconds(d_ours, args.runs),
              "decompress_torch_gbps": gb / median_seconds(d_torch, args.runs)}
         rows.append(r)
-        print(f"| {spec:14s} | {wire:12,d} | {r['compress_gbps']:13.2f} | "
+        print(f"| {spec:24s} | {wire:12,d} | {r['compress_gbps']:13.2f} | "
               f"{r['compress_torch_gbps']:14.2f} | "
               f"{r['compress_gbps'] / r['compress_torch_gbps']:6.1f}x | "
               f"{r['decompress_gbps']:15.2f} | {r['decompress_torch_gbps']:14.2f} |", flush=True)

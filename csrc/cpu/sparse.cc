@@ -180,15 +180,19 @@ void dgc_encode(DType d, const void* x, void* u, void* v, int64_t n, const Param
       if (norm > p.clip_norm) scale = static_cast<A>(p.clip_norm / norm);
     }
     const A mf = static_cast<A>(p.momentum_factor);
-    std::vector<A> acc(static_cast<size_t>(n));
+    // Selection reads v in the accumulator type: in place for float32/float64, a copy else.
+    std::vector<A> widened(std::is_same_v<T, A> ? 0 : static_cast<size_t>(n));
     for (int64_t i = 0; i < n; ++i) {
       const A ui = round_to<T>(mf * to_acc(us[i]) + to_acc(xs[i]) * scale);
       const A vi = round_to<T>(to_acc(vs[i]) + ui);
       us[i] = from_acc<T>(ui);
       vs[i] = from_acc<T>(vi);
-      acc[i] = vi;
+      if constexpr (!std::is_same_v<T, A>) widened[i] = vi;
     }
-    const std::vector<int32_t> sel = dgc_select(acc.data(), n, k);
+    const A* acc = nullptr;
+    if constexpr (std::is_same_v<T, A>) acc = vs;
+    else acc = widened.data();
+    const std::vector<int32_t> sel = dgc_select(acc, n, k);
     T* vals = reinterpret_cast<T*>(out + kDgcHeader + index_bytes(k));
     for (size_t j = 0; j < sel.size(); ++j) {
       idx[j] = sel[j];
