@@ -334,9 +334,12 @@ def codec_table() -> str:
             params += "; uses `seed`" + (" (per rank)" if c.seed_per_rank else "")
         if c.rounds == 2:
             wire = "(rows + cols) * rank * 4 per matrix"
+        elif c.variable_size:
+            wire = f"{c.bits_per_element(4) / 8:g} per sent element + 8-byte header"
         elif "k" in [p.name for p in c.params]:
             per_kept = c.bits_per_element(4) / 8
-            wire = f"{per_kept:g} per kept element ({per_kept * 0.01:g} at k=0.01)"
+            k = c.param("k").default
+            wire = f"{per_kept:g} per kept element ({per_kept * k:g} at k={k:g})"
         else:
             wire = f"{c.bits_per_element(4) / 8:g}"
             if c.collective == "allgather":
