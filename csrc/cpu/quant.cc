@@ -187,7 +187,7 @@ inline uint64_t get_group(const uint8_t* codes, int64_t g, int b, int64_t cap) {
   return b == 8 ? w : w & ((uint64_t{1} << (8 * b)) - 1);
 }
 
-// Linear levels, float32 input: 32 codes per step, same arithmetic as level(). Codes are
+// Linear levels, float32 input: 32 codes per step, same arithmetic as linear_level(). Codes are
 // narrowed to bytes, then each 64-bit lane's 8 bytes are squeezed to 8 * bits bits by three
 // shift-and-merge rounds (pairs, quads, octets), so only one store per 8 codes leaves SIMD.
 __attribute__((target("avx2"))) int64_t dither_linear_f32_avx2(const float* x, int64_t n, float scale,
@@ -294,8 +294,22 @@ void dither_aggregate(DType d, const void* payloads, int64_t ranks, int64_t stri
                         std::to_string(p.s) + " partition=" + std::to_string(p.partition) +
                         " normalize=" + std::to_string(p.normalize));
   }
-  // Decoded magnitude of each level, times the rank's norm at use.
-  std::vector<float> lv(static_cast<size_t>(2 * p.s + 1));
+  // Decoded value of every code, per rank (its norm scales the levels), made once up front.
+  const int64_t nc = 2 * p.s + 1;
+  std::vector<float> table(static_cast<size_t>(ranks * nc));
+  for (int64_t r = 0; r < ranks; ++r) {
+    float norm;
+    std::memcpy(&norm, base + r * stride + 8, 4);
+    for (int64_t c = 0; c < nc; ++c) {
+      const int64_t l = c >= p.s ? c - p.s : p.s - c;
+      float m;
+      if (p.partition == kNaturalLevels)
+        m = (l == 0 ? 0.0f : std::ldexp(1.0f, static_cast<int>(l - p.s))) * norm;
+      else
+        m = static_cast<float>(l) * (norm / static_cast<float>(p.s));
+      table[r * nc + c] = c < p.s ? -m : m;
+    }
+  }
   dispatch_dtype(d, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     using A = typename Acc<T>::type;
@@ -307,17 +321,7 @@ void dither_aggregate(DType d, const void* payloads, int64_t ranks, int64_t stri
       for (int64_t j = 0; j < len; ++j) sum[j] = acc ? to_acc(o[s0 + j]) : A(0);
       for (int64_t r = 0; r < ranks; ++r) {
         const uint8_t* h = base + r * stride;
-        float norm;
-        std::memcpy(&norm, h + 8, 4);
-        for (int64_t c = 0; c <= 2 * p.s; ++c) {
-          const int64_t l = c >= p.s ? c - p.s : p.s - c;
-          float m;
-          if (p.partition == kNaturalLevels)
-            m = (l == 0 ? 0.0f : std::ldexp(1.0f, static_cast<int>(l - p.s))) * norm;
-          else
-            m = static_cast<float>(l) * (norm / static_cast<float>(p.s));
-          lv[c] = c < p.s ? -m : m;
-        }
+        const float* lv = table.data() + r * nc;
         const uint8_t* codes = h + kDitherHeader;
         const uint64_t mask = (uint64_t{1} << b) - 1;
         for (int64_t g = s0 / 8; g * 8 < s0 + len; ++g) {

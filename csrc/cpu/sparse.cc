@@ -52,16 +52,21 @@ void reduce_sparse(DType d, int64_t n, void* out, double alpha, bool accumulate,
     using T = std::remove_pointer_t<decltype(tag)>;
     using A = typename Acc<T>::type;
     T* o = static_cast<T*>(out);
-    std::vector<A> acc(static_cast<size_t>(n));
+    // float32/float64 accumulate in the output itself; narrower dtypes in a float copy.
+    std::vector<A> wide(std::is_same_v<T, A> ? 0 : static_cast<size_t>(n));
+    A* acc = nullptr;
+    if constexpr (std::is_same_v<T, A>) acc = o;
+    else acc = wide.data();
     for (int64_t i = 0; i < n; ++i) acc[i] = accumulate ? to_acc(o[i]) : A(0);
     for (int64_t r = 0; r < ranks; ++r) {
       const int32_t* idx;
       const void* vals;
       int64_t count;
       entry(r, &idx, &vals, &count);
-      scatter(idx, static_cast<const T*>(vals), count, n, static_cast<A>(alpha), acc.data(), what);
+      scatter(idx, static_cast<const T*>(vals), count, n, static_cast<A>(alpha), acc, what);
     }
-    for (int64_t i = 0; i < n; ++i) o[i] = from_acc<T>(acc[i]);
+    if constexpr (!std::is_same_v<T, A>)
+      for (int64_t i = 0; i < n; ++i) o[i] = from_acc<T>(acc[i]);
   });
 }
 
