@@ -215,7 +215,7 @@ def main():
           f"median of {args.runs}; SIMD path: {_C.cpu_isa()}")
     print(f"memory on this machine: read-only x.sum() {gb / read_s:.1f} GB/s, "
           f"copy y.copy_(x) {gb / copy_s:.1f} GB/s")
-    header = (f"| {'codec':24s} | {'wire bytes':>12s} | {'compress GB/s':>13s} | "
+    header = (f"| {'codec':26s} | {'wire bytes':>12s} | {'compress GB/s':>13s} | "
               f"{'torch ops GB/s':>14s} | {'speedup':>7s} | {'decompress GB/s':>15s} | "
               f"{'torch ops GB/s':>14s} |")
     print(header)
@@ -230,7 +230,7 @@ def main():
              "decompress_gbps": gb / median_seconds(d_ours, args.runs),
              "decompress_torch_gbps": gb / median_seconds(d_torch, args.runs)}
         rows.append(r)
-        print(f"| {spec:24s} | {wire:12,d} | {r['compress_gbps']:13.2f} | "
+        print(f"| {spec:26s} | {wire:12,d} | {r['compress_gbps']:13.2f} | "
               f"{r['compress_torch_gbps']:14.2f} | "
               f"{r['compress_gbps'] / r['compress_torch_gbps']:6.1f}x | "
               f"{r['decompress_gbps']:15.2f} | {r['decompress_torch_gbps']:14.2f} |", flush=True)
