@@ -37,18 +37,18 @@ def ours_powersgd(spec, x):
     rank = hc.parse_spec(spec).param_dict["rank"]
     m = x.view(ROWS_OF_MATRIX, -1)
     e = torch.zeros_like(m)
-    qt = torch.randn(rank, m.shape[1])
-    p = torch.empty(m.shape[0], rank)
+    qt = torch.randn(1, rank, m.shape[1])
+    p = torch.empty(1, m.shape[0], rank)
     q = torch.empty_like(qt)
     out = torch.empty_like(m)
 
     def compress():
-        _C.powersgd_project(m, e, True, qt, p)
+        _C.powersgd_project([m], [e], True, qt, p)
         _C.powersgd_orthogonalize(p, 0.0)
-        _C.powersgd_back_project(e, p, q)
-        _C.powersgd_reconstruct(p, q, e, 1.0, True)
+        _C.powersgd_back_project([e], p, q)
+        _C.powersgd_reconstruct(p, q, [e], 1.0, True)
     compress()
-    return compress, lambda: _C.powersgd_reconstruct(p, q, out, 1.0, False), (p.numel() + q.numel()) * 4
+    return compress, lambda: _C.powersgd_reconstruct(p, q, [out], 1.0, False), (p.numel() + q.numel()) * 4
 
 
 def ours(spec, x):

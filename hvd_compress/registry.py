@@ -308,7 +308,10 @@ register(CodecInfo(
                   "start each step's power iteration from the last Q", kernel=False),
             Param("orthogonalization_epsilon", float, 0.0, "a number >= 0",
                   "added to column norms in Gram-Schmidt (guards zero columns)",
-                  lambda v: v >= 0, kernel=False)),
+                  lambda v: v >= 0, kernel=False),
+            Param("batch_same_shape", bool, False, "true or false",
+                  "stack matrices of equal shape: one kernel call and one allreduce per shape "
+                  "and round", kernel=False)),
     wire="P (rows x rank) then Q (cols x rank), float32 (float64 for float64 gradients)",
     doc="PowerSGD (Vogels et al. 2019): rank-r power iteration, P and Q allreduced in two rounds, "
         "error feedback and warm start; 1-D and weakly compressible tensors go uncompressed",

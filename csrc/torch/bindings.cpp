@@ -154,37 +154,73 @@ void check_matrix(const at::Tensor& m, const char* what) {
     throw hvdc::KernelError(std::string(what) + " must be a contiguous 2-D tensor");
 }
 
-void powersgd_project(const at::Tensor& g, at::Tensor& e, bool ef, const at::Tensor& qt,
-                      at::Tensor& p) {
-  check_matrix(g, "gradient matrix");
-  if (ef) check_out(e, g, "error-feedback residual");
-  check_factor(qt, g, qt.size(0), g.size(1), "Qt");
-  check_factor(p, g, g.size(0), qt.size(0), "P");
-  hvdc::powersgd_project(dtype_of(g, "gradient"), g.data_ptr(), ef ? e.data_ptr() : nullptr, ef,
-                         g.size(0), g.size(1), qt.data_ptr(), qt.size(0), p.data_ptr());
+// The PowerSGD bindings take a batch: B same-shape matrices as a list (gradients and residuals
+// stay in their own storage) and their factors stacked, P as [B, rows, r] and Qt as [B, r, cols],
+// so one allreduce carries every P (or Q) of the batch.
+void check_batch(const std::vector<at::Tensor>& ms, const at::Tensor& factor, const char* what) {
+  if (ms.empty()) throw hvdc::KernelError("a PowerSGD batch needs at least one matrix");
+  if (factor.dim() != 3 || factor.size(0) != static_cast<int64_t>(ms.size()))
+    throw hvdc::KernelError(std::string(what) + " must be a [" + std::to_string(ms.size()) +
+                            ", ., .] tensor, one factor per matrix of the batch");
+  for (const auto& m : ms) {
+    check_matrix(m, "matrix");
+    if (m.sizes() != ms[0].sizes() || m.scalar_type() != ms[0].scalar_type())
+      throw hvdc::KernelError("the matrices of a PowerSGD batch must share shape and dtype");
+  }
+}
+
+void powersgd_project(const std::vector<at::Tensor>& gs, std::vector<at::Tensor>& es, bool ef,
+                      const at::Tensor& qt, at::Tensor& p) {
+  check_batch(gs, qt, "Qt");
+  check_batch(gs, p, "P");
+  if (ef && es.size() != gs.size())
+    throw hvdc::KernelError("error feedback needs one residual per matrix of the batch");
+  for (size_t b = 0; b < gs.size(); ++b) {
+    const at::Tensor& g = gs[b];
+    at::Tensor qb = qt.select(0, b), pb = p.select(0, b);
+    if (ef) check_out(es[b], g, "error-feedback residual");
+    check_factor(qb, g, qb.size(0), g.size(1), "Qt");
+    check_factor(pb, g, g.size(0), qb.size(0), "P");
+    hvdc::powersgd_project(dtype_of(g, "gradient"), g.data_ptr(), ef ? es[b].data_ptr() : nullptr,
+                           ef, g.size(0), g.size(1), qb.data_ptr(), qb.size(0), pb.data_ptr());
+  }
 }
 
 void powersgd_orthogonalize(at::Tensor& p, double eps) {
-  check_matrix(p, "P");
-  hvdc::powersgd_orthogonalize(p.scalar_type() == at::kDouble ? hvdc::kF64 : hvdc::kF32,
-                               p.data_ptr(), p.size(0), p.size(1), eps);
+  check_cpu(p, "P");
+  if (p.dim() != 3 || !p.is_contiguous())
+    throw hvdc::KernelError("P must be a contiguous [batch, rows, rank] tensor");
+  for (int64_t b = 0; b < p.size(0); ++b)
+    hvdc::powersgd_orthogonalize(p.scalar_type() == at::kDouble ? hvdc::kF64 : hvdc::kF32,
+                                 p.select(0, b).data_ptr(), p.size(1), p.size(2), eps);
 }
 
-void powersgd_back_project(const at::Tensor& m, const at::Tensor& p, at::Tensor& qt) {
-  check_matrix(m, "matrix");
-  check_factor(p, m, m.size(0), p.size(1), "P");
-  check_factor(qt, m, p.size(1), m.size(1), "Qt");
-  hvdc::powersgd_back_project(dtype_of(m, "matrix"), m.data_ptr(), m.size(0), m.size(1),
-                              p.data_ptr(), p.size(1), qt.data_ptr());
+void powersgd_back_project(const std::vector<at::Tensor>& ms, const at::Tensor& p, at::Tensor& qt) {
+  check_batch(ms, p, "P");
+  check_batch(ms, qt, "Qt");
+  for (size_t b = 0; b < ms.size(); ++b) {
+    const at::Tensor& m = ms[b];
+    at::Tensor pb = p.select(0, b), qb = qt.select(0, b);
+    check_factor(pb, m, m.size(0), pb.size(1), "P");
+    check_factor(qb, m, pb.size(1), m.size(1), "Qt");
+    hvdc::powersgd_back_project(dtype_of(m, "matrix"), m.data_ptr(), m.size(0), m.size(1),
+                                pb.data_ptr(), pb.size(1), qb.data_ptr());
+  }
 }
 
-void powersgd_reconstruct(const at::Tensor& p, const at::Tensor& qt, at::Tensor& out,
+void powersgd_reconstruct(const at::Tensor& p, const at::Tensor& qt, std::vector<at::Tensor>& outs,
                           double alpha, bool subtract) {
-  check_matrix(out, "output");
-  check_factor(p, out, out.size(0), p.size(1), "P");
-  check_factor(qt, out, p.size(1), out.size(1), "Qt");
-  hvdc::powersgd_reconstruct(dtype_of(out, "output"), p.data_ptr(), qt.data_ptr(), out.size(0),
-                             out.size(1), p.size(1), out.data_ptr(), alpha, subtract);
+  check_batch(outs, p, "P");
+  check_batch(outs, qt, "Qt");
+  for (size_t b = 0; b < outs.size(); ++b) {
+    at::Tensor& out = outs[b];
+    at::Tensor pb = p.select(0, b), qb = qt.select(0, b);
+    check_factor(pb, out, out.size(0), pb.size(1), "P");
+    check_factor(qb, out, pb.size(1), out.size(1), "Qt");
+    hvdc::powersgd_reconstruct(dtype_of(out, "output"), pb.data_ptr(), qb.data_ptr(),
+                               out.size(0), out.size(1), pb.size(1), out.data_ptr(), alpha,
+                               subtract);
+  }
 }
 
 float* carry_of(int64_t codec, at::Tensor& carry) {

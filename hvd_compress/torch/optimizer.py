@@ -66,6 +66,10 @@ class _CompressedReduction:
             backward_passes_per_step=backward_passes_per_step, op=op,
             gradient_predivide_factor=gradient_predivide_factor, groups=None,
             sparse_as_dense=sparse_as_dense, process_set=process_set)
+        if self._hvdc_powersgd is not None:
+            self._hvdc_powersgd.plan(
+                (self._parameter_names[p], p) for p in self._requires_update
+                if p.numel() * p.element_size() >= min_compress_bytes)
 
     def _allreduce_grad_async(self, p):
         if p.grad is None:
@@ -108,10 +112,10 @@ class _CompressedReduction:
         if step is None:
             self._hvdc_stats.record(name, "none", nbytes, nbytes)
             return _DistributedOptimizer._allreduce_grad_async(self, p)
-        pending = self._hvdc_powersgd.start(name, grad, step)
-        sent = (pending.p.numel() + pending.qt.numel()) * pending.p.element_size()
-        self._hvdc_stats.record(name, "powersgd", nbytes, sent)
-        return pending, None
+        member = self._hvdc_powersgd.start(name, grad, step)
+        factor_bytes = 8 if grad.dtype == torch.float64 else 4
+        self._hvdc_stats.record(name, "powersgd", nbytes, member.sent_elements * factor_bytes)
+        return member, None
 
     def synchronize(self):
         # Two-round codecs: every first round is finished and every second round issued before
@@ -120,6 +124,8 @@ class _CompressedReduction:
             if hasattr(handle, "prepare"):
                 handle.prepare()
         _DistributedOptimizer.synchronize(self)
+        if self._hvdc_powersgd is not None:
+            self._hvdc_powersgd.end_step()
         self._hvdc_stats.end_step()
 
     def compression_state_dict(self) -> dict:

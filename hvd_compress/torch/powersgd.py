@@ -20,6 +20,12 @@ Per parameter, viewing its gradient G as a matrix M (rows = first dimension):
 Steps 2, 3, 5, 6 and 9 are kernels from csrc/cpu/powersgd.cc; P and Q are float32 (float64
 for float64 gradients). State (E, Q, step counters) lives in the optimizer's StateStore and is
 checkpointed with compression_state_dict().
+
+Every round works on a batch of same-shape matrices: the kernels take the batch in one call and
+its P (Q) factors travel stacked in one allreduce. Without `batch_same_shape` a batch is one
+matrix, issued as soon as its gradient is ready. With it, the matrices of one shape and dtype
+form a batch, issued when the last of them is ready (or in synchronize(), with the ones that
+arrived); its state stays per parameter, so checkpoints do not depend on the setting.
 """
 from __future__ import annotations
 
@@ -44,6 +50,7 @@ class PowerSGDState:
     error_feedback: bool
     warm_start: bool
     orthogonalization_epsilon: float
+    batch_same_shape: bool
     seed: int
 
     @classmethod
@@ -74,6 +81,19 @@ class PowerSGDReduction:
         self.process_set = process_set
         self.world = process_set.size()
         self.average = average
+        self._groups: dict[str, list[str]] = {}
+        self._open: dict[tuple[str, ...], _Batch] = {}
+
+    def plan(self, named_tensors) -> None:
+        """With batch_same_shape, group the parameters that will be compressed by shape and dtype;
+        names sorted, so every rank forms the same batches."""
+        if not self.state.batch_same_shape:
+            return
+        by_key: dict[tuple, list[str]] = {}
+        for name, t in sorted(named_tensors, key=lambda nt: nt[0]):
+            if self.state.compresses(t.shape):
+                by_key.setdefault((tuple(t.shape), t.dtype), []).append(name)
+        self._groups = {n: names for names in by_key.values() if len(names) > 1 for n in names}
 
     def compressed_step(self, name: str, grad: torch.Tensor) -> int | None:
         """Step 1: this parameter's step number when it is compressed now, else None."""
@@ -82,59 +102,138 @@ class PowerSGDReduction:
             return None
         return step
 
-    def start(self, name: str, grad: torch.Tensor, step: int) -> "_Pending":
-        st = self.state
-        m = grad.reshape(grad.shape[0], -1)
-        if not m.is_contiguous():
-            m = m.contiguous()
-        ftype = torch.float64 if grad.dtype == torch.float64 else torch.float32
-        rows, cols = m.shape
-        first = not self.store.contains(name, "powersgd_qt")
-        qt = self.store.slot(name, "powersgd_qt", torch.empty(st.rank, cols, dtype=ftype))
-        if first or not st.warm_start:
-            qt.copy_(initial_q(st.seed, name, step, st.rank, cols, ftype))
-        if st.error_feedback:
-            e = self.store.slot(name, "ef", m)
-        else:
-            e = torch.empty(0, dtype=m.dtype)
-        p = torch.empty(rows, st.rank, dtype=ftype)
-        _C.powersgd_project(m, e, st.error_feedback, qt, p)
-        handle = hvd.allreduce_async_(p, name=f"{name}.powersgd_p", op=hvd.Sum,
-                                      process_set=self.process_set)
-        return _Pending(self, name, grad, e if st.error_feedback else m, p, qt, handle)
+    def start(self, name: str, grad: torch.Tensor, step: int) -> "_Member":
+        group = self._groups.get(name)
+        key = tuple(group) if group else (name,)
+        batch = self._open.get(key)
+        if batch is None or batch.issued:
+            if batch is not None:
+                # A batch already issued this step: this gradient came late (synchronize() found
+                # it missing); it goes alone rather than wait for the next step.
+                key = (name,)
+            batch = _Batch(self, key)
+            if len(key) > 1:
+                self._open[key] = batch
+        member = batch.add(name, grad, step)
+        if batch.full:
+            batch.issue()
+        return member
+
+    def end_step(self) -> None:
+        self._open.clear()
 
 
-class _Pending:
-    """One parameter between its two rounds; Horovod's synchronize() calls it for the result."""
+class _Batch:
+    """Same-shape matrices going through the two rounds together, stacked in the planned
+    (name) order whatever order backward produced them in, so all ranks stack alike."""
 
-    def __init__(self, red: PowerSGDReduction, name, grad, mat, p, qt, handle):
-        self.red, self.name, self.grad, self.mat = red, name, grad, mat
-        self.p, self.qt, self.handle = p, qt, handle
+    def __init__(self, red: PowerSGDReduction, key: tuple[str, ...]):
+        self.red, self.key = red, key
+        self.arrived: dict[str, tuple[torch.Tensor, int]] = {}
+        self.issued = False
         self.q_handle = None
+        self.done = False
+
+    @property
+    def full(self) -> bool:
+        return len(self.arrived) == len(self.key)
+
+    def add(self, name: str, grad: torch.Tensor, step: int) -> "_Member":
+        if self.arrived:
+            g0 = next(iter(self.arrived.values()))[0]
+            if grad.shape != g0.shape or grad.dtype != g0.dtype:
+                raise RuntimeError(f"PowerSGD batch_same_shape: gradient of {name} is "
+                                   f"{tuple(grad.shape)} {grad.dtype}, its batch expects "
+                                   f"{tuple(g0.shape)} {g0.dtype}; the parameter changed shape "
+                                   f"or dtype after the optimizer was built")
+        self.arrived[name] = (grad, step)
+        return _Member(self, name)
+
+    def issue(self) -> None:
+        """Steps 2-4."""
+        red, st = self.red, self.red.state
+        store = red.store
+        self.names = [n for n in self.key if n in self.arrived]
+        self.grads = [self.arrived[n][0] for n in self.names]
+        self.steps = [self.arrived[n][1] for n in self.names]
+        ftype = torch.float64 if self.grads[0].dtype == torch.float64 else torch.float32
+        rows = self.grads[0].shape[0]
+        cols = self.grads[0].numel() // rows
+        b = len(self.names)
+        self.qts = []
+        qt = torch.empty(b, st.rank, cols, dtype=ftype)
+        mats, res = [], []
+        for i, (name, grad, step) in enumerate(zip(self.names, self.grads, self.steps)):
+            m = grad.reshape(rows, cols)
+            if not m.is_contiguous():
+                m = m.contiguous()
+            first = not store.contains(name, "powersgd_qt")
+            mine = store.slot(name, "powersgd_qt", torch.empty(st.rank, cols, dtype=ftype))
+            if first or not st.warm_start:
+                mine.copy_(initial_q(st.seed, name, step, st.rank, cols, ftype))
+            qt[i].copy_(mine)
+            self.qts.append(mine)
+            mats.append(m)
+            if st.error_feedback:
+                res.append(store.slot(name, "ef", m))
+        self.p = torch.empty(b, rows, st.rank, dtype=ftype)
+        _C.powersgd_project(mats, res, st.error_feedback, qt, self.p)
+        # With error feedback M = G + E was written into E, which step 6 turns into the residual.
+        self.mats = res if st.error_feedback else mats
+        self.qt = qt
+        self.name = self.names[0] if b == 1 else f"{self.names[0]}+{b - 1}"
+        self.handle = hvd.allreduce_async_(self.p, name=f"{self.name}.powersgd_p", op=hvd.Sum,
+                                           process_set=red.process_set)
+        self.issued = True
 
     def prepare(self) -> None:
         """Steps 5-7."""
         if self.q_handle is not None:
             return
+        if not self.issued:
+            self.issue()
         red = self.red
         hvd.synchronize(self.handle)
         _C.powersgd_orthogonalize(self.p, red.state.orthogonalization_epsilon)
-        q_local = torch.empty_like(self.qt)
-        _C.powersgd_back_project(self.mat, self.p, q_local)
+        q_local = self.qt
+        _C.powersgd_back_project(self.mats, self.p, q_local)
         if red.state.error_feedback:
-            _C.powersgd_reconstruct(self.p, q_local, self.mat, 1.0, True)
-        self.q_sum = q_local
+            _C.powersgd_reconstruct(self.p, q_local, self.mats, 1.0, True)
         self.q_handle = hvd.allreduce_async_(q_local, name=f"{self.name}.powersgd_q", op=hvd.Sum,
                                              process_set=red.process_set)
 
-    def __call__(self) -> torch.Tensor:
+    def finish(self) -> None:
         """Steps 8-9."""
+        if self.done:
+            return
         self.prepare()
         hvd.synchronize(self.q_handle)
-        q = self.q_sum
+        q = self.qt
         if self.red.average:
             q.mul_(1.0 / self.red.world)
-        self.qt.copy_(q)
-        out = self.grad if self.grad.is_contiguous() else torch.empty_like(self.grad)
-        _C.powersgd_reconstruct(self.p, q, out.view(self.p.shape[0], -1), 1.0, False)
-        return out
+        for mine, qi in zip(self.qts, q):
+            mine.copy_(qi)
+        rows = self.p.shape[1]
+        self.outs = [g if g.is_contiguous() else torch.empty_like(g) for g in self.grads]
+        _C.powersgd_reconstruct(self.p, q, [o.view(rows, -1) for o in self.outs], 1.0, False)
+        self.done = True
+
+
+class _Member:
+    """One parameter's handle into its batch; Horovod's synchronize() calls it for the result."""
+
+    def __init__(self, batch: _Batch, name: str):
+        self.batch, self.name = batch, name
+
+    @property
+    def sent_elements(self) -> int:
+        """P and Q elements this parameter puts on the wire per step."""
+        g = self.batch.arrived[self.name][0]
+        return (g.shape[0] + g.numel() // g.shape[0]) * self.batch.red.state.rank
+
+    def prepare(self) -> None:
+        self.batch.prepare()
+
+    def __call__(self) -> torch.Tensor:
+        self.batch.finish()
+        return self.batch.outs[self.batch.names.index(self.name)]

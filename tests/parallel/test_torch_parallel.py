@@ -404,6 +404,54 @@ def test_powersgd_equals_simulation(spec, dtype, tol):
     assert codecs == {"p0": "powersgd", "p1": "none", "p2": "none"}  # 1-D and 12/(7*r) < 2
 
 
+def test_powersgd_batch_same_shape_matches_unbatched_and_batches(monkeypatch):
+    """Stacking same-shape matrices changes how P and Q travel, not the arithmetic: results and
+    state equal the unbatched run bit for bit, with one P and one Q allreduce per shape. On
+    step 2 one matrix gets no gradient; its batch goes with the rest and it follows alone."""
+    shapes = [(20, 12), (20, 12), (12, 20), (20, 12), (12, 20), (50,)]
+    rng = np.random.default_rng(4)
+    grads = [[[rng.standard_normal(s) for _ in range(WORLD)] for s in shapes] for _ in range(4)]
+    sent = []
+    original = hvd.allreduce_async_
+
+    def recording(tensor, *args, **kwargs):
+        sent.append((kwargs.get("name"), tuple(tensor.shape)))
+        return original(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(hvd, "allreduce_async_", recording)
+    results, states = {}, {}
+    for batch in ("false", "true"):
+        spec = f"powersgd,rank=2,start_iter=1,batch_same_shape={batch}"
+        params, opt = powersgd_optimizer(spec, shapes, torch.float64)
+        got = []
+        for step, g in enumerate(grads):
+            sent.clear()
+            opt.zero_grad()
+            used = [i for i in range(len(shapes)) if not (step == 2 and i == 3)]
+            sum((params[i][1] * torch.from_numpy(g[i][RANK])).sum() for i in used).backward()
+            opt.synchronize()
+            got.append([p.grad.detach().clone() for _, p in params])
+            with opt.skip_synchronize():
+                opt.step()
+            if batch == "true" and step == 1:
+                factors = sorted(x for x in sent if ".powersgd_" in x[0])
+                assert factors == [("p0+2.powersgd_p", (3, 20, 2)), ("p0+2.powersgd_q", (3, 2, 12)),
+                                   ("p2+1.powersgd_p", (2, 12, 2)), ("p2+1.powersgd_q", (2, 2, 20))]
+            if batch == "true" and step == 2:
+                factors = sorted(x[0] for x in sent if ".powersgd_" in x[0])
+                assert factors == ["p0+1.powersgd_p", "p0+1.powersgd_q", "p2+1.powersgd_p",
+                                   "p2+1.powersgd_q", "p3.powersgd_p", "p3.powersgd_q"]
+        results[batch] = got
+        states[batch] = opt.compression_state_dict()["slots"]
+    for a, b in zip(results["false"], results["true"]):
+        for x, y in zip(a, b):
+            assert torch.equal(x, y)
+    assert states["false"].keys() == states["true"].keys()
+    for name, slots in states["false"].items():
+        for slot, value in slots.items():
+            np.testing.assert_array_equal(value, states["true"][name][slot])
+
+
 def test_powersgd_on_low_rank_gradients_equals_plain_allreduce():
     rng = np.random.default_rng(1)
     u = rng.standard_normal((50, 2))  # shared column space, rank 2
