@@ -89,17 +89,22 @@ def randomk_strata(n: int, k: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
 
 # ---- stochastic rounding ------------------------------------------------------------------
 def uniform(seed: int, n: int) -> np.ndarray:
-    """Per-element uniforms in [0, 1) on a 2^-24 grid: murmur3's finaliser of
-    (i * 0x9e3779b1 + low32(seed)) ^ high32(seed), all in uint32, top 24 bits."""
-    i = (np.arange(n, dtype=np.uint64) & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+    """Per-element uniforms in [0, 1) on a 2^-16 grid: murmur3's finaliser of
+    (h * 0x9e3779b1 + low32(seed)) ^ high32(seed), all in uint32, with h = (i // 16) * 8 + i % 8;
+    elements with i % 16 < 8 take the low 16 bits, the others the high 16."""
+    i = np.arange(n, dtype=np.uint64)
+    h_idx = (((i >> np.uint64(4)) << np.uint64(3)) | (i & np.uint64(7))) & np.uint64(0xFFFFFFFF)
     with np.errstate(over="ignore"):
-        h = (i * np.uint32(0x9E3779B1) + np.uint32(seed & 0xFFFFFFFF)) ^ np.uint32(seed >> 32)
+        h = (h_idx.astype(np.uint32) * np.uint32(0x9E3779B1) + np.uint32(seed & 0xFFFFFFFF)) \
+            ^ np.uint32(seed >> 32)
         h ^= h >> np.uint32(16)
         h *= np.uint32(0x85EBCA6B)
         h ^= h >> np.uint32(13)
         h *= np.uint32(0xC2B2AE35)
         h ^= h >> np.uint32(16)
-    return (h >> np.uint32(8)).astype(np.float32) * np.float32(2.0 ** -24)
+    high = (i & np.uint64(8)).astype(bool)
+    bits = np.where(high, h >> np.uint32(16), h & np.uint32(0xFFFF))
+    return bits.astype(np.float32) * np.float32(2.0 ** -16)
 
 
 def lane_sums(v: np.ndarray) -> float:

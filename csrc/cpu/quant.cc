@@ -7,7 +7,7 @@
 //   2s per code, 8 codes in `bits` bytes (little-endian), padded to 8 bytes.
 //   level l of a = |x| / norm (at most 1): linear levels l/s, natural levels 0 and 2^(l-s).
 //   Rounding is stochastic and unbiased: up with probability equal to the distance from the
-//   lower level over the gap, from a counter-based hash of (seed, element index).
+//   lower level over the gap, from a counter-based hash of (seed, element index) (see uniform()).
 // natural payload: [u32 tag][i32 top][u8 code per element, padded to 8]
 //   code = sign << 7 | c, c = 0 is zero, else 2^(top - 127 + c); top is one above the exponent
 //   of max|x|, so 127 binades below it are kept; smaller magnitudes round to 0 or the lowest.
@@ -38,33 +38,49 @@ int bits_for(int64_t s) {
 
 int64_t code_bytes(int64_t n, int b) { return ((n + 7) / 8 * b + 7) / 8 * 8; }
 
-// Uniform in [0, 1) on a 2^-24 grid, from element index i and the step's seed: murmur3's
-// 32-bit finaliser (full avalanche; two rounds left nearby seeds visibly correlated) of
-// (i * 0x9e3779b1 + low32(seed)) ^ high32(seed), top 24 bits.
-inline float uniform(uint64_t seed, int64_t i) {
-  uint32_t h = (static_cast<uint32_t>(i) * 0x9e3779b1u + static_cast<uint32_t>(seed)) ^
-               static_cast<uint32_t>(seed >> 32);
+// Uniform in [0, 1) on a 2^-16 grid, from element index i and the step's seed. One hash gives
+// two draws: murmur3's 32-bit finaliser (full avalanche; two rounds left nearby seeds visibly
+// correlated) of key = (h * 0x9e3779b1 + low32(seed)) ^ high32(seed), h = (i / 16) * 8 + i % 8;
+// elements i % 16 < 8 take its low 16 bits, the others its high 16 bits, so SIMD code hashes 8
+// lanes for 16 elements without shuffling. Rounding up when u < frac is then unbiased to
+// within 2^-16 of a level gap.
+inline uint32_t mix32(uint32_t h) {
   h ^= h >> 16;
   h *= 0x85ebca6bu;
   h ^= h >> 13;
   h *= 0xc2b2ae35u;
   h ^= h >> 16;
-  return static_cast<float>(h >> 8) * 5.9604644775390625e-08f;
+  return h;
 }
 
-__attribute__((target("avx2"))) inline __m256 uniform8(uint64_t seed, int64_t i) {
-  const __m256i idx = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(i)),
+inline float uniform(uint64_t seed, int64_t i) {
+  const uint32_t hidx = static_cast<uint32_t>(((i >> 4) << 3) | (i & 7));
+  const uint32_t h = mix32((hidx * 0x9e3779b1u + static_cast<uint32_t>(seed)) ^
+                           static_cast<uint32_t>(seed >> 32));
+  return static_cast<float>((i & 8) ? h >> 16 : h & 0xffffu) * (1.0f / 65536.0f);
+}
+
+// Keys of hash indices h..h+7 (see uniform()); walking the gradient, callers advance them by
+// 8 * 0x9e3779b1 rather than multiply again.
+__attribute__((target("avx2"))) inline __m256i uniform_keys8(uint64_t seed, int64_t h) {
+  const __m256i idx = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(h)),
                                        _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-  __m256i h = _mm256_add_epi32(_mm256_mullo_epi32(idx, _mm256_set1_epi32(0x9e3779b1u)),
-                               _mm256_set1_epi32(static_cast<int32_t>(seed)));
-  h = _mm256_xor_si256(h, _mm256_set1_epi32(static_cast<int32_t>(seed >> 32)));
+  return _mm256_add_epi32(_mm256_mullo_epi32(idx, _mm256_set1_epi32(0x9e3779b1u)),
+                          _mm256_set1_epi32(static_cast<int32_t>(seed)));
+}
+
+// uniform() of the 16 elements whose hash keys are `key`: first 8 in *lo, next 8 in *hi.
+__attribute__((target("avx2"))) inline void uniform16(uint64_t seed, __m256i key, __m256* lo,
+                                                      __m256* hi) {
+  __m256i h = _mm256_xor_si256(key, _mm256_set1_epi32(static_cast<int32_t>(seed >> 32)));
   h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
   h = _mm256_mullo_epi32(h, _mm256_set1_epi32(0x85ebca6bu));
   h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 13));
   h = _mm256_mullo_epi32(h, _mm256_set1_epi32(0xc2b2ae35u));
   h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
-  return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(h, 8)),
-                       _mm256_set1_ps(5.9604644775390625e-08f));
+  const __m256 unit = _mm256_set1_ps(1.0f / 65536.0f);
+  *lo = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(h, _mm256_set1_epi32(0xffff))), unit);
+  *hi = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(h, 16)), unit);
 }
 
 // Norm statistics of a float32 view of x: max|x|, and sums of x and x^2 in double over 16
@@ -201,15 +217,22 @@ __attribute__((target("avx2"))) int64_t dither_linear_f32_avx2(const float* x, i
   const __m256i m3 = _mm256_set1_epi64x(0x00000000ffffffffLL);
   const __m128i r1 = _mm_cvtsi32_si128(8 - b), r2 = _mm_cvtsi32_si128(16 - 2 * b),
                 r3 = _mm_cvtsi32_si128(32 - 4 * b);
+  const __m256i step8 = _mm256_set1_epi32(static_cast<int32_t>(8u * 0x9e3779b1u));
+  __m256i key = uniform_keys8(seed, 0);
   int64_t i = 0;
   for (; i + 32 <= n; i += 32) {
     prefetch_ahead(x + i);
     __m256i c[4];
+    __m256 us[4];
+    uniform16(seed, key, &us[0], &us[1]);
+    key = _mm256_add_epi32(key, step8);
+    uniform16(seed, key, &us[2], &us[3]);
+    key = _mm256_add_epi32(key, step8);
     for (int u = 0; u < 4; ++u) {
       const __m256 v = _mm256_loadu_ps(x + i + 8 * u);
       const __m256 t = _mm256_min_ps(_mm256_mul_ps(_mm256_and_ps(v, absmask), vscale), sf);
       const __m256 f = _mm256_floor_ps(t);
-      const __m256 up = _mm256_cmp_ps(uniform8(seed, i + 8 * u), _mm256_sub_ps(t, f), _CMP_LT_OQ);
+      const __m256 up = _mm256_cmp_ps(us[u], _mm256_sub_ps(t, f), _CMP_LT_OQ);
       // level = f + up (up is all-ones = -1 as an integer); code = s +- level by the sign bit
       // (-0 has level 0, so either choice is s).
       const __m256i l = _mm256_sub_epi32(_mm256_cvttps_epi32(f), _mm256_castps_si256(up));

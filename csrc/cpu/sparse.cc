@@ -81,10 +81,15 @@ std::vector<int32_t> dgc_select(const A* v, int64_t n, int64_t k) {
   std::vector<A> sample;
   for (int64_t i = 0; i < n; i += stride) sample.push_back(std::fabs(v[i]));
   const int64_t m = static_cast<int64_t>(sample.size());
-  std::sort(sample.begin(), sample.end(), std::greater<A>());
   int64_t r = std::max<int64_t>(1, (k * m + n / 2) / n);
+  int64_t placed = 0;  // sample[0, placed) holds the largest values, each >= what follows
   for (int attempt = 0; attempt < 5; ++attempt) {
-    const A thr = sample[std::min(r, m) - 1];
+    // The r-th largest sample value. Lowering r later only looks past the ones placed before,
+    // so the sample is partitioned once overall (selection, not a sort).
+    const int64_t at = std::min(r, m) - 1;
+    std::nth_element(sample.begin() + placed, sample.begin() + at, sample.end(), std::greater<A>());
+    placed = at + 1;
+    const A thr = sample[at];
     cand.clear();
     for (int64_t i = 0; i < n; ++i)
       if (std::fabs(v[i]) >= thr) cand.push_back(static_cast<int32_t>(i));
