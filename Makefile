@@ -13,7 +13,7 @@ PYTEST    := -m pytest -q -p no:cacheprovider --color=no --timeout=300
 # No hang may outlive this: a stuck collective fails the run instead of stalling CI.
 LIMIT     := timeout -k 20 1200
 
-.PHONY: setup test test-unit test-parallel demo bench clean
+.PHONY: setup test test-unit test-parallel test-bench demo bench bench-quick clean
 
 setup:
 	bash ci/setup.sh
@@ -23,7 +23,7 @@ $(STAMP): $(SOURCES)
 	bash ci/setup.sh
 	@touch $(STAMP)
 
-test: $(STAMP) test-parallel test-unit
+test: $(STAMP) test-parallel test-unit test-bench
 
 # torch and TensorFlow suites run as separate jobs: Horovod's torch and TF libraries each keep
 # their own global state and must not be loaded side by side in one process.
@@ -38,11 +38,23 @@ test-unit: $(STAMP)
 	HVDC_FORCE_SCALAR=1 $(LIMIT) $(PY) $(PYTEST) tests/unit/test_kernels.py tests/unit/test_quantizers.py tests/unit/test_sparse.py
 	$(LIMIT) $(PY) $(PYTEST) tests/unit
 
+# The benchmark scripts end to end on tiny sizes (the network one needs root and namespaces).
+test-bench: $(STAMP)
+	$(LIMIT) $(PY) $(PYTEST) tests/bench
+
 demo: $(STAMP)
 	$(PY) examples/demo.py
 
+# Results (json, csv, png) go to docs/benchmarks; bench/network.py needs root.
 bench: $(STAMP)
 	$(PY) bench/codecs.py
+	$(PY) bench/convergence.py
+	$(PY) bench/network.py
+
+bench-quick: $(STAMP)
+	$(PY) bench/codecs.py --quick
+	$(PY) bench/convergence.py --quick
+	$(PY) bench/network.py --quick
 
 clean:
 	rm -rf build *.egg-info hvd_compress/torch/_C*.so

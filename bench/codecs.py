@@ -2,15 +2,19 @@
 in the same run on the same gradient.
 
     python bench/codecs.py                 # 100 MB fp32 gradient, 1 thread, median of 7 runs
+    python bench/codecs.py --quick         # 10 MB, median of 3
     python bench/codecs.py --mb 10 --runs 3
+
+Results go to docs/benchmarks/codecs.{json,csv,png} (--out to change the folder).
 
 GB/s = fp32 input bytes / time (for decompress too, so the columns compare). The header line
 measures this machine's memory: a read-only pass (x.sum()) bounds any compressor, a copy bounds
 anything that writes a gradient-sized output.
 """
 import argparse
-import json
+import os
 import statistics
+import sys
 import time
 
 import torch
@@ -18,6 +22,9 @@ import torch
 import hvd_compress as hc
 from hvd_compress.torch import _C
 from hvd_compress.torch.codec import kernel_params
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import results  # noqa: E402
 
 
 def median_seconds(fn, runs):
@@ -195,11 +202,14 @@ ROWS = [("fp16", "fp16"), ("bf16", "bf16"), ("onebit", "onebit"), ("signsgd", "s
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--mb", type=float, default=100.0, help="fp32 gradient size in MB")
-    ap.add_argument("--runs", type=int, default=7)
+    ap.add_argument("--quick", action="store_true", help="10 MB, median of 3")
+    ap.add_argument("--mb", type=float, default=None, help="fp32 gradient size in MB (100)")
+    ap.add_argument("--runs", type=int, default=None, help="timed runs per cell (7)")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--json", default=None, help="also write the rows here")
+    ap.add_argument("--out", default=results.DEFAULT_OUT, help="folder for json/csv/png")
     args = ap.parse_args()
+    args.mb = args.mb or (10.0 if args.quick else 100.0)
+    args.runs = args.runs or (3 if args.quick else 7)
     torch.set_num_threads(args.threads)
     n = int(args.mb * 1e6 / 4)
     x = torch.randn(n, generator=torch.Generator().manual_seed(0))
@@ -234,11 +244,29 @@ def main():
               f"{r['compress_torch_gbps']:14.2f} | "
               f"{r['compress_gbps'] / r['compress_torch_gbps']:6.1f}x | "
               f"{r['decompress_gbps']:15.2f} | {r['decompress_torch_gbps']:14.2f} |", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"elements": n, "threads": args.threads, "copy_gbps": gb / copy_s,
-                       "read_gbps": gb / read_s,
-                       "rows": rows}, f, indent=1)
+    settings = {"elements": n, "threads": args.threads, "runs": args.runs,
+                "copy_gbps": gb / copy_s, "read_gbps": gb / read_s, "simd": _C.cpu_isa()}
+    results.write(args.out, "codecs", settings, rows)
+    plot(rows, settings, args.out)
+
+
+def plot(rows, settings, out_dir):
+    plt = results.pyplot()
+    fig, ax = plt.subplots(figsize=(11, 4.5))
+    xs = range(len(rows))
+    ax.bar([x - 0.2 for x in xs], [r["compress_gbps"] for r in rows], 0.4, label="hvd_compress kernel")
+    ax.bar([x + 0.2 for x in xs], [r["compress_torch_gbps"] for r in rows], 0.4,
+           label="same math in torch ops")
+    ax.axhline(settings["read_gbps"], color="gray", linestyle="--", linewidth=0.8,
+               label="read-only pass (x.sum())")
+    ax.set_xticks(list(xs))
+    ax.set_xticklabels([r["codec"] for r in rows], rotation=45, ha="right", fontsize=8)
+    ax.set_yscale("log")
+    ax.set_ylabel("compress GB/s (fp32 input)")
+    ax.set_title(f"{settings['elements'] * 4 / 1e6:.0f} MB gradient, {settings['threads']} thread")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "codecs.png"), dpi=110)
 
 
 if __name__ == "__main__":

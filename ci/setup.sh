@@ -31,7 +31,7 @@ apt_install() {
     fi
 }
 
-apt_install libopenmpi-dev openmpi-bin build-essential cmake
+apt_install libopenmpi-dev openmpi-bin build-essential cmake iproute2
 
 if [ ! -x "$VENV/bin/python" ]; then
     log "creating $VENV"

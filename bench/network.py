@@ -1,0 +1,414 @@
+"""Compression on a real slow link: two ranks in two network namespaces joined by a veth pair
+that tc shapes to 100 Mbit/s, 1 Gbit/s and 10 Gbit/s, training a communication-heavy MLP.
+
+    sudo python bench/network.py            # 25M parameters, 3 timed steps per row and rate
+    sudo python bench/network.py --quick    # 6M parameters, 2 timed steps: about two minutes
+
+Rows: uncompressed Horovod (the baseline), Horovod's own fp16, PyTorch DDP over Gloo with its
+fp16_compress_hook and powerSGD_hook (the same rank as our powersgd row), and our codecs through
+hvd_compress.torch.DistributedOptimizer. Columns per rate: median ms/step of rank 0, speedup over
+uncompressed Horovod at that rate, and bytes rank 0 sent per step as counted by its veth
+(/proc/net/dev: payload plus TCP/IP headers). Horovod runs over Gloo (no MPI launcher can
+cross the namespaces); the ranks get the same rendezvous that horovodrun would give them.
+
+Needs root (namespaces, tc). The namespaces are deleted on exit, on failure and on Ctrl-C, and
+ones left by a run that was killed outright are removed by the next run.
+"""
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import results  # noqa: E402
+
+RATES = {"100mbit": 100e6, "1gbit": 1e9, "10gbit": 10e9}
+NS_PREFIX = "hvdc-bench-"
+SUBNET = "10.231.77"
+DDP_PORT = 29531
+POWERSGD_RANK = 4
+# (label, how, spec): how = horovod (its own DistributedOptimizer), ours, or ddp (hook name).
+ROWS = [("horovod, no compression", "horovod", "none"),
+        ("horovod fp16", "horovod", "fp16"),
+        ("ddp fp16_compress_hook", "ddp", "fp16"),
+        (f"ddp powerSGD_hook rank={POWERSGD_RANK}", "ddp", "powersgd"),
+        ("fp16", "ours", "fp16"),
+        ("bf16", "ours", "bf16"),
+        ("onebit", "ours", "onebit,ef=vanilla"),
+        ("efsignsgd", "ours", "efsignsgd"),
+        ("topk 1%", "ours", "topk,k=0.01,ef=vanilla"),
+        ("randomk 1%", "ours", "randomk,k=0.01"),
+        ("minmax8", "ours", "minmax8"),
+        ("dithering", "ours", "dithering,ef=vanilla"),
+        ("qsgd", "ours", "qsgd"),
+        ("terngrad", "ours", "terngrad"),
+        ("natural", "ours", "natural"),
+        ("threshold (~1% at step 0)", "ours", "threshold,ef=vanilla"),
+        ("dgc 0.1%", "ours", "dgc,k=0.001"),
+        (f"powersgd rank={POWERSGD_RANK}", "ours", f"powersgd,rank={POWERSGD_RANK},start_iter=2")]
+
+
+# ---- the namespaces -------------------------------------------------------------------------
+def sh(*cmd, check=True):
+    return subprocess.run(cmd, check=check, capture_output=True, text=True)
+
+
+class LinkPair:
+    """Namespaces A and B, a veth pair between them (A: SUBNET.1, B: SUBNET.2)."""
+
+    def __init__(self):
+        tag = str(os.getpid())
+        self.ns = [f"{NS_PREFIX}{tag}-a", f"{NS_PREFIX}{tag}-b"]
+        self.dev = [f"hvb{tag}a"[-15:], f"hvb{tag}b"[-15:]]
+        self.addr = [f"{SUBNET}.1", f"{SUBNET}.2"]
+
+    def __enter__(self):
+        remove_stale()
+        try:
+            for ns in self.ns:
+                sh("ip", "netns", "add", ns)
+            sh("ip", "link", "add", self.dev[0], "type", "veth", "peer", "name", self.dev[1])
+            for ns, dev, addr in zip(self.ns, self.dev, self.addr):
+                sh("ip", "link", "set", dev, "netns", ns)
+                sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
+                sh("ip", "-n", ns, "link", "set", dev, "up")
+                sh("ip", "-n", ns, "link", "set", "lo", "up")
+                # Horovod 0.28.1 opens its per-process-set Gloo context on the address of this
+                # machine's hostname, not on HOROVOD_GLOO_IFACE: `ip netns exec` mounts this
+                # file over /etc/hosts, so inside each namespace the hostname is its veth.
+                os.makedirs(f"/etc/netns/{ns}", exist_ok=True)
+                with open(f"/etc/netns/{ns}/hosts", "w") as f:
+                    f.write(f"127.0.0.1 localhost\n{addr} {socket.gethostname()}\n")
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def shape(self, rate_bps):
+        # tbf needs a bucket of at least rate/HZ; 4 ms of traffic, never under 256 kbit.
+        burst = max(32 * 1024, int(rate_bps / 8 * 0.004))
+        for ns, dev in zip(self.ns, self.dev):
+            sh("ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root", "tbf",
+               "rate", f"{int(rate_bps)}bit", "burst", str(burst), "latency", "50ms")
+
+    def __exit__(self, *exc):
+        for ns in self.ns:
+            delete_namespace(ns)
+
+
+def delete_namespace(ns):
+    sh("ip", "netns", "del", ns, check=False)  # takes its end of the veth pair with it
+    shutil.rmtree(f"/etc/netns/{ns}", ignore_errors=True)
+
+
+def remove_stale():
+    """Namespaces of runs whose process is gone (killed before their cleanup could run)."""
+    listing = sh("ip", "netns", "list", check=False).stdout.split()
+    for name in listing:
+        if name.startswith(NS_PREFIX):
+            pid = name[len(NS_PREFIX):].split("-")[0]
+            if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+                delete_namespace(name)
+
+
+def refuse_unless_able():
+    if os.geteuid() != 0:
+        sys.exit("bench/network.py needs root: it creates two network namespaces and shapes the "
+                 "veth pair between them with tc. Run it as root (e.g. `sudo make bench`).")
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            sys.exit(f"bench/network.py needs `{tool}` (Debian package iproute2)")
+    probe = f"{NS_PREFIX}probe-{os.getpid()}"
+    made = sh("ip", "netns", "add", probe, check=False)
+    sh("ip", "netns", "del", probe, check=False)
+    if made.returncode != 0:
+        sys.exit("bench/network.py cannot create network namespaces here (`ip netns add`: "
+                 f"{made.stderr.strip()}); it needs CAP_SYS_ADMIN and CAP_NET_ADMIN")
+
+
+# ---- launching ranks ------------------------------------------------------------------------
+def launch(link, rank, env, args):
+    cmd = ["ip", "netns", "exec", link.ns[rank], sys.executable, os.path.abspath(__file__)] + args
+    return subprocess.Popen(cmd, env={**os.environ, **env}, stdin=subprocess.DEVNULL)
+
+
+def run_pair(procs, timeout):
+    try:
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            p.wait(timeout=max(1, deadline - time.monotonic()))
+        bad = [p.returncode for p in procs if p.returncode != 0]
+        if bad:
+            raise RuntimeError(f"a rank exited with status {bad[0]}")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def run_horovod(link, rows, opts, out, timeout):
+    """One Horovod job per rate runs every Horovod and hvd_compress row."""
+    rdv = subprocess.Popen(["ip", "netns", "exec", link.ns[0], sys.executable,
+                            os.path.abspath(__file__), "--rendezvous"],
+                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        port = rdv.stdout.readline().strip()
+        if not port.isdigit():
+            raise RuntimeError("the rendezvous server did not start")
+        procs = []
+        for r in range(2):
+            env = {"HOROVOD_GLOO_RENDEZVOUS_ADDR": link.addr[0],
+                   "HOROVOD_GLOO_RENDEZVOUS_PORT": port, "HOROVOD_CONTROLLER": "gloo",
+                   "HOROVOD_CPU_OPERATIONS": "gloo", "HOROVOD_GLOO_IFACE": link.dev[r],
+                   "HOROVOD_HOSTNAME": f"hvdc-{r}", "HOROVOD_RANK": str(r), "HOROVOD_SIZE": "2",
+                   "HOROVOD_LOCAL_RANK": "0", "HOROVOD_LOCAL_SIZE": "1",
+                   "HOROVOD_CROSS_RANK": str(r), "HOROVOD_CROSS_SIZE": "2"}
+            procs.append(launch(link, r, env, ["--worker", "horovod", "--iface", link.dev[r],
+                                               "--rows", json.dumps(rows), "--opts",
+                                               json.dumps(opts), "--result", out]))
+        run_pair(procs, timeout)
+    finally:
+        rdv.stdin.close()
+        try:
+            rdv.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            rdv.kill()
+            rdv.wait()
+
+
+def run_ddp(link, rows, opts, out, timeout):
+    procs = [launch(link, r, {"GLOO_SOCKET_IFNAME": link.dev[r]},
+                    ["--worker", "ddp", "--iface", link.dev[r], "--rank", str(r),
+                     "--master", link.addr[0], "--rows", json.dumps(rows), "--opts",
+                     json.dumps(opts), "--result", out]) for r in range(2)]
+    run_pair(procs, timeout)
+
+
+def rendezvous_server():
+    from horovod.runner.common.util.hosts import get_host_assignments, parse_hosts
+    from horovod.runner.http.http_server import RendezvousServer
+    server = RendezvousServer()
+    port = server.start()
+    server.init(get_host_assignments(parse_hosts("hvdc-0:1,hvdc-1:1"), 2))
+    print(port, flush=True)
+    sys.stdin.read()  # until the parent closes our stdin
+    server.stop()
+
+
+# ---- inside a rank --------------------------------------------------------------------------
+def tx_bytes(iface):
+    with open("/proc/net/dev") as f:
+        for line in f:
+            name, _, rest = line.partition(":")
+            if name.strip() == iface:
+                return int(rest.split()[8])
+    raise RuntimeError(f"no interface {iface} in /proc/net/dev")
+
+
+def make_model(params_m, seed):
+    """An MLP of about params_m million parameters, mostly two large dense layers."""
+    import torch
+    width = int((params_m * 1e6 / 2.5) ** 0.5) // 64 * 64  # width/2 -> width -> width -> 10
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(width // 2, width), torch.nn.ReLU(),
+                               torch.nn.Linear(width, width), torch.nn.ReLU(),
+                               torch.nn.Linear(width, width), torch.nn.ReLU(),
+                               torch.nn.Linear(width, 10)), width // 2
+
+
+def time_steps(model, opt, batch, opts, iface, sync):
+    import torch.nn.functional as F
+    x, y = batch
+    times = []
+    for step in range(opts["warmup"] + opts["steps"]):
+        if step == opts["warmup"]:
+            sync()
+            sent = tx_bytes(iface)
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    sync()
+    sent = tx_bytes(iface) - sent
+    timed = times[opts["warmup"]:]
+    return {"ms_per_step": 1e3 * statistics.median(timed),
+            "bytes_per_step": sent // opts["steps"]}
+
+
+def horovod_worker(args):
+    import warnings
+
+    import horovod.torch as hvd
+    import torch
+
+    import hvd_compress.torch as hvdc
+    warnings.simplefilter("ignore")  # dgc's note that it replaces the optimizer's momentum
+    torch.set_num_threads(1)
+    hvd.init()
+    opts = json.loads(args.opts)
+    rows = json.loads(args.rows)
+    out = []
+    for label, how, spec in rows:
+        model, fan_in = make_model(opts["params_m"], seed=0)
+        g = torch.Generator().manual_seed(1 + hvd.rank())
+        batch = (torch.randn(opts["batch"], fan_in, generator=g),
+                 torch.randint(0, 10, (opts["batch"],), generator=g))
+        sgd = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        if spec.startswith("threshold"):
+            spec += f",threshold={step0_quantile(model, batch, hvd):.4g}"
+        if how == "horovod":
+            comp = hvd.Compression.fp16 if spec == "fp16" else hvd.Compression.none
+            opt = hvd.DistributedOptimizer(sgd, model.named_parameters(), compression=comp)
+        else:
+            opt = hvdc.DistributedOptimizer(sgd, model.named_parameters(), compression=spec)
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        r = time_steps(model, opt, batch, opts, args.iface,
+                       lambda: hvd.allreduce(torch.zeros(1), name="sync"))
+        out.append({"row": label, "spec": spec, **r})
+        if hvd.rank() == 0:
+            print(f"  {label:32s} {r['ms_per_step']:10.1f} ms/step {r['bytes_per_step']:14,d} B/step",
+                  flush=True)
+    if hvd.rank() == 0:
+        with open(args.result, "w") as f:
+            json.dump(out, f)
+
+
+def step0_quantile(model, batch, hvd):
+    """|g| above which about 1% of step 0's gradient lies (averaged over ranks): what a user
+    tuning `threshold` for a 1% density would pick."""
+    import torch
+    import torch.nn.functional as F
+    model.zero_grad()
+    F.cross_entropy(model(batch[0]), batch[1]).backward()
+    g = torch.cat([p.grad.abs().flatten() for p in model.parameters()])
+    q = torch.kthvalue(g[::7], int(0.99 * g[::7].numel())).values.reshape(1)
+    model.zero_grad()
+    return float(hvd.allreduce(q, name="threshold_q"))
+
+
+def ddp_worker(args):
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://{args.master}:{DDP_PORT}",
+                            rank=args.rank, world_size=2)
+    opts = json.loads(args.opts)
+    out = []
+    for label, _, spec in json.loads(args.rows):
+        model, fan_in = make_model(opts["params_m"], seed=0)
+        if spec == "fp16":
+            ddp = torch.nn.parallel.DistributedDataParallel(model)
+            ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        else:
+            # The hook issues its second allreduce from a future's callback; with several
+            # buckets those interleave differently on the two ranks and Gloo aborts on a size
+            # mismatch (seen with torch 2.13), so PowerSGD gets one bucket for all gradients.
+            ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1024)
+            state = powerSGD_hook.PowerSGDState(process_group=None,
+                                                matrix_approximation_rank=POWERSGD_RANK,
+                                                start_powerSGD_iter=2)
+            ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        g = torch.Generator().manual_seed(1 + args.rank)
+        batch = (torch.randn(opts["batch"], fan_in, generator=g),
+                 torch.randint(0, 10, (opts["batch"],), generator=g))
+        sgd = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
+        r = time_steps(ddp, sgd, batch, opts, args.iface, dist.barrier)
+        out.append({"row": label, "spec": spec, **r})
+        if args.rank == 0:
+            print(f"  {label:32s} {r['ms_per_step']:10.1f} ms/step {r['bytes_per_step']:14,d} B/step",
+                  flush=True)
+    if args.rank == 0:
+        with open(args.result, "w") as f:
+            json.dump(out, f)
+    dist.destroy_process_group()
+
+
+# ---- the report -----------------------------------------------------------------------------
+def report(rows, rates, settings, out_dir):
+    by = {(r["rate"], r["row"]): r for r in rows}
+    labels = [label for label, _, _ in ROWS if any(r["row"] == label for r in rows)]
+    for r in rows:
+        r["speedup"] = by[(r["rate"], ROWS[0][0])]["ms_per_step"] / r["ms_per_step"]
+    header = ["row"] + [f"{rate} {c}" for rate in rates for c in ("ms/step", "speedup", "bytes/step")]
+    lines = [[label] + [x for rate in rates for x in (
+        f"{by[(rate, label)]['ms_per_step']:.1f}", f"{by[(rate, label)]['speedup']:.2f}x",
+        f"{by[(rate, label)]['bytes_per_step']:,}")] for label in labels]
+    print(results.markdown(header, lines))
+    results.write(out_dir, "network", settings, rows)
+    plt = results.pyplot()
+    fig, ax = plt.subplots(figsize=(11, 5))
+    width = 0.8 / len(rates)
+    for i, rate in enumerate(rates):
+        ax.bar([j + i * width for j in range(len(labels))],
+               [by[(rate, label)]["speedup"] for label in labels], width, label=rate)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([j + width * (len(rates) - 1) / 2 for j in range(len(labels))])
+    ax.set_xticklabels(labels, rotation=60, ha="right", fontsize=8)
+    ax.set_yscale("log")
+    ax.set_ylabel("speedup over uncompressed Horovod (ms/step)")
+    ax.set_title(f"2 ranks, {settings['params_m']}M-parameter MLP, veth shaped by tc")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "network.png"), dpi=110)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="6M parameters, 2 timed steps")
+    ap.add_argument("--params-m", type=float, default=None, help="model size, millions")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps per row and rate")
+    ap.add_argument("--rates", default=",".join(RATES), help="comma-separated: " + ", ".join(RATES))
+    ap.add_argument("--out", default=results.DEFAULT_OUT)
+    ap.add_argument("--rendezvous", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--worker", choices=["horovod", "ddp"], help=argparse.SUPPRESS)
+    for hidden in ("--iface", "--rows", "--opts", "--result", "--master"):
+        ap.add_argument(hidden, help=argparse.SUPPRESS)
+    ap.add_argument("--rank", type=int, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.rendezvous:
+        return rendezvous_server()
+    if args.worker == "horovod":
+        return horovod_worker(args)
+    if args.worker == "ddp":
+        return ddp_worker(args)
+
+    rates = args.rates.split(",")
+    unknown = [r for r in rates if r not in RATES]
+    if unknown:
+        sys.exit(f"unknown rate(s) {unknown}; valid: {', '.join(RATES)}")
+    opts = {"params_m": args.params_m or (6.0 if args.quick else 25.0),
+            "steps": args.steps or (2 if args.quick else 3), "warmup": 3, "batch": 32}
+    refuse_unless_able()
+    # Ctrl-C or a kill reaches the finally blocks, so the namespaces always go.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    rows = []
+    with LinkPair() as link, tempfile.TemporaryDirectory() as tmp:
+        for rate in rates:
+            print(f"{rate}: tc tbf on both ends of the veth pair", flush=True)
+            link.shape(RATES[rate])
+            # uncompressed 32-bit traffic at this rate, times 4 for start-up and the slow rows
+            timeout = 600 + 4 * (opts["warmup"] + opts["steps"]) * opts["params_m"] * 32e6 / RATES[rate]
+            hv = [r for r in ROWS if r[1] != "ddp"]
+            run_horovod(link, hv, opts, os.path.join(tmp, "h.json"), timeout)
+            run_ddp(link, [r for r in ROWS if r[1] == "ddp"], opts, os.path.join(tmp, "d.json"),
+                    timeout)
+            for name in ("h.json", "d.json"):
+                with open(os.path.join(tmp, name)) as f:
+                    rows += [{"rate": rate, **r} for r in json.load(f)]
+    settings = {**opts, "rates": rates, "ranks": 2, "threads_per_rank": 1,
+                "network": "veth pair between two namespaces, tc tbf on both ends"}
+    report(rows, rates, settings, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,36 @@
+"""Where the benchmark scripts put their results: NAME.json (everything, with the settings),
+NAME.csv (the rows) and NAME.png, under one output folder (docs/benchmarks by default)."""
+import csv
+import json
+import os
+
+DEFAULT_OUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
+                           "benchmarks")
+
+
+def write(out_dir, name, settings, rows):
+    """rows: a list of flat dicts with the same keys."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
+        json.dump({"settings": settings, "rows": rows}, f, indent=1)
+    with open(os.path.join(out_dir, f"{name}.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+
+
+def pyplot():
+    """matplotlib without a display."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def markdown(header, lines):
+    """A table that reads in a terminal and pastes into Markdown."""
+    cells = [list(header)] + [[str(c) for c in line] for line in lines]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    fmt = lambda row: "| " + " | ".join(c.rjust(w) for c, w in zip(row, widths)) + " |"  # noqa
+    return "\n".join([fmt(cells[0]), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+                     + [fmt(r) for r in cells[1:]])

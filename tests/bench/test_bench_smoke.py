@@ -1,0 +1,104 @@
+"""The benchmark harnesses, run end to end on tiny sizes: each script must finish and write its
+table, CSV, JSON and plot with a row for every configuration it lists. No timing is asserted."""
+import csv
+import json
+import os
+import subprocess
+import sys
+
+from importlib.util import module_from_spec, spec_from_file_location
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+
+def run(script, *args, timeout=900):
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", script), *args],
+                          capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def outputs(folder, name):
+    with open(os.path.join(folder, f"{name}.json")) as f:
+        data = json.load(f)
+    with open(os.path.join(folder, f"{name}.csv")) as f:
+        rows = list(csv.DictReader(f))
+    png = os.path.join(folder, f"{name}.png")
+    with open(png, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    return data, rows
+
+
+def test_codecs_quick(tmp_path):
+    proc = run("codecs.py", "--quick", "--mb", "0.2", "--runs", "1", "--out", str(tmp_path))
+    data, rows = outputs(tmp_path, "codecs")
+    # bench/codecs.py shares its name with the standard library's codecs: load it by path
+    spec = spec_from_file_location("bench_codecs", os.path.join(ROOT, "bench", "codecs.py"))
+    mod = module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert [r["codec"] for r in rows] == [s for _, s in mod.ROWS]
+    assert all(float(r["compress_gbps"]) > 0 and int(r["wire_bytes"]) > 0 for r in rows)
+    assert data["settings"]["elements"] == 50_000  # 0.2 MB of fp32
+    assert "| fp16" in proc.stdout
+
+
+def test_convergence_quick(tmp_path):
+    import convergence
+    proc = run("convergence.py", "--quick", "--epochs", "1", "--out", str(tmp_path))
+    data, rows = outputs(tmp_path, "convergence")
+    assert [r["codec"] for r in rows] == [c for c, _, _ in convergence.RUNS]
+    for r in rows:
+        for kind in ("no_ef", "ef"):
+            if r[f"{kind}_spec"]:
+                assert 0.0 <= float(r[f"{kind}_accuracy"]) <= 100.0
+                assert float(r[f"{kind}_final_loss"]) > 0
+    with open(tmp_path / "convergence_curves.json") as f:
+        curves = json.load(f)
+    assert all(len(c) == 1 for c in curves.values())
+    assert "EF within 1 point" in proc.stdout
+
+
+def network_unavailable():
+    if os.geteuid() != 0:
+        return "bench/network.py needs root"
+    probe = subprocess.run(["ip", "netns", "add", "hvdc-bench-smokeprobe"], capture_output=True)
+    subprocess.run(["ip", "netns", "del", "hvdc-bench-smokeprobe"], capture_output=True)
+    if probe.returncode != 0:
+        return f"cannot create network namespaces here: {probe.stderr.decode().strip()}"
+    return None
+
+
+def test_network_refuses_clearly_without_root():
+    if os.geteuid() == 0:
+        code = "import os; os.geteuid = lambda: 1000; import runpy, sys; sys.argv = ['network.py']; " \
+               f"runpy.run_path({os.path.join(ROOT, 'bench', 'network.py')!r}, run_name='__main__')"
+    else:
+        code = f"import runpy, sys; sys.argv = ['network.py']; " \
+               f"runpy.run_path({os.path.join(ROOT, 'bench', 'network.py')!r}, run_name='__main__')"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0
+    assert "needs root" in proc.stderr
+
+
+@pytest.mark.skipif(network_unavailable() is not None, reason=str(network_unavailable()))
+def test_network_quick(tmp_path):
+    import network
+    before = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    proc = run("network.py", "--quick", "--params-m", "0.3", "--steps", "1", "--rates", "1gbit",
+               "--out", str(tmp_path))
+    data, rows = outputs(tmp_path, "network")
+    assert [r["row"] for r in rows] == [label for label, how, _ in network.ROWS
+                                       if how != "ddp"] + [label for label, how, _ in network.ROWS
+                                                           if how == "ddp"]
+    assert all(r["rate"] == "1gbit" and float(r["ms_per_step"]) > 0 for r in rows)
+    assert all(int(r["bytes_per_step"]) > 0 for r in rows)
+    base = next(r for r in rows if r["row"] == network.ROWS[0][0])
+    assert float(base["speedup"]) == 1.0
+    # every namespace it made is gone
+    after = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert [line for line in after.splitlines() if "hvdc-bench-" in line] == \
+        [line for line in before.splitlines() if "hvdc-bench-" in line]
+    assert "speedup" in proc.stdout
