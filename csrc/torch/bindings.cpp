@@ -157,11 +157,16 @@ void check_matrix(const at::Tensor& m, const char* what) {
 // The PowerSGD bindings take a batch: B same-shape matrices as a list (gradients and residuals
 // stay in their own storage) and their factors stacked, P as [B, rows, r] and Qt as [B, r, cols],
 // so one allreduce carries every P (or Q) of the batch.
-void check_batch(const std::vector<at::Tensor>& ms, const at::Tensor& factor, const char* what) {
-  if (ms.empty()) throw hvdc::KernelError("a PowerSGD batch needs at least one matrix");
-  if (factor.dim() != 3 || factor.size(0) != static_cast<int64_t>(ms.size()))
-    throw hvdc::KernelError(std::string(what) + " must be a [" + std::to_string(ms.size()) +
+void check_factor_batch(size_t b, const at::Tensor& factor, const char* what) {
+  if (factor.dim() != 3 || factor.size(0) != static_cast<int64_t>(b))
+    throw hvdc::KernelError(std::string(what) + " must be a [" + std::to_string(b) +
                             ", ., .] tensor, one factor per matrix of the batch");
+}
+
+void check_batch(const std::vector<at::Tensor>& ms, const at::Tensor& p, const at::Tensor& qt) {
+  if (ms.empty()) throw hvdc::KernelError("a PowerSGD batch needs at least one matrix");
+  check_factor_batch(ms.size(), p, "P");
+  check_factor_batch(ms.size(), qt, "Qt");
   for (const auto& m : ms) {
     check_matrix(m, "matrix");
     if (m.sizes() != ms[0].sizes() || m.scalar_type() != ms[0].scalar_type())
@@ -171,8 +176,7 @@ void check_batch(const std::vector<at::Tensor>& ms, const at::Tensor& factor, co
 
 void powersgd_project(const std::vector<at::Tensor>& gs, std::vector<at::Tensor>& es, bool ef,
                       const at::Tensor& qt, at::Tensor& p) {
-  check_batch(gs, qt, "Qt");
-  check_batch(gs, p, "P");
+  check_batch(gs, p, qt);
   if (ef && es.size() != gs.size())
     throw hvdc::KernelError("error feedback needs one residual per matrix of the batch");
   for (size_t b = 0; b < gs.size(); ++b) {
@@ -196,8 +200,7 @@ void powersgd_orthogonalize(at::Tensor& p, double eps) {
 }
 
 void powersgd_back_project(const std::vector<at::Tensor>& ms, const at::Tensor& p, at::Tensor& qt) {
-  check_batch(ms, p, "P");
-  check_batch(ms, qt, "Qt");
+  check_batch(ms, p, qt);
   for (size_t b = 0; b < ms.size(); ++b) {
     const at::Tensor& m = ms[b];
     at::Tensor pb = p.select(0, b), qb = qt.select(0, b);
@@ -210,8 +213,7 @@ void powersgd_back_project(const std::vector<at::Tensor>& ms, const at::Tensor& 
 
 void powersgd_reconstruct(const at::Tensor& p, const at::Tensor& qt, std::vector<at::Tensor>& outs,
                           double alpha, bool subtract) {
-  check_batch(outs, p, "P");
-  check_batch(outs, qt, "Qt");
+  check_batch(outs, p, qt);
   for (size_t b = 0; b < outs.size(); ++b) {
     at::Tensor& out = outs[b];
     at::Tensor pb = p.select(0, b), qb = qt.select(0, b);

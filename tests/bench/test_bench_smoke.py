@@ -83,7 +83,11 @@ def test_network_refuses_clearly_without_root():
     assert "needs root" in proc.stderr
 
 
-@pytest.mark.skipif(network_unavailable() is not None, reason=str(network_unavailable()))
+NETWORK_UNAVAILABLE = network_unavailable()
+
+
+# The issue allows this one skip: the network bench cannot run without root and namespaces.
+@pytest.mark.skipif(NETWORK_UNAVAILABLE is not None, reason=f"{NETWORK_UNAVAILABLE}")
 def test_network_quick(tmp_path):
     import network
     before = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
