@@ -16,7 +16,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import results  # noqa: E402
@@ -76,7 +75,6 @@ def worker(args):
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         order = torch.Generator().manual_seed(1)  # the same shuffle on both ranks
         curve = []
-        t0 = time.perf_counter()
         for _ in range(args.epochs):
             perm = torch.randperm(len(y_tr), generator=order)
             total, batches = 0.0, 0
@@ -91,8 +89,7 @@ def worker(args):
             curve.append(float(hvd.allreduce(torch.tensor(total / batches), name="epoch_loss")))
         with torch.no_grad():
             acc = (model(x_te).argmax(1) == y_te).double().mean().item() * 100
-        out.append({"spec": spec, "test_accuracy": acc, "final_loss": curve[-1], "curve": curve,
-                    "seconds": time.perf_counter() - t0})
+        out.append({"spec": spec, "test_accuracy": acc, "final_loss": curve[-1], "curve": curve})
         if hvd.rank() == 0:
             print(f"  {spec:52s} accuracy {acc:6.2f}%  loss {curve[-1]:.4f}", flush=True)
     if hvd.rank() == 0:
