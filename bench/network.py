@@ -330,7 +330,16 @@ def ddp_worker(args):
     if args.rank == 0:
         with open(args.result, "w") as f:
             json.dump(out, f)
+    # A rank sometimes aborted here after its work was done ("terminate called without an
+    # active exception", torch 2.13, twice in some twenty runs on a shaped link). Likely causes:
+    # the peer tearing Gloo down while a hook's allreduce is still in flight, or torch's C++
+    # destructors at interpreter exit. So both ranks meet first, then leave without finalization.
+    del ddp, sgd, model
+    dist.barrier()
     dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # ---- the report -----------------------------------------------------------------------------
