@@ -1,6 +1,5 @@
-// Scalar element types and conversions shared by the CPU kernels. Conversions are written out
-// bit by bit (round to nearest even, NaN kept quiet) so results do not depend on the compiler's
-// or the framework's half-precision support.
+// Scalar element types shared by the CPU kernels; the per-element arithmetic itself is in
+// hvdc/element.h, shared with the CUDA kernels.
 #pragma once
 
 #include <cmath>
@@ -8,59 +7,13 @@
 #include <cstring>
 #include <type_traits>
 
+#include "hvdc/element.h"
 #include "hvdc/kernels.h"
 
 namespace hvdc {
 
 struct half_t { uint16_t bits; };
 struct bf16_t { uint16_t bits; };
-
-inline uint32_t f32_bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
-inline float bits_f32(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
-
-inline uint16_t f32_to_f16_bits(float f) {
-  uint32_t x = f32_bits(f);
-  uint32_t sign = (x >> 16) & 0x8000u;
-  uint32_t ax = x & 0x7fffffffu;
-  if (ax >= 0x7f800000u)  // inf stays inf, NaN stays a quiet NaN with its top payload bits
-    return static_cast<uint16_t>(sign | 0x7c00u | (ax > 0x7f800000u ? 0x200u | ((ax >> 13) & 0x3ffu) : 0u));
-  if (ax >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // rounds past 65504
-  if (ax < 0x38800000u) {
-    // Half subnormal: adding 0.5f (ulp 2^-24) lets the FPU round to a multiple of 2^-24.
-    float a = bits_f32(ax) + 0.5f;
-    return static_cast<uint16_t>(sign | (f32_bits(a) - f32_bits(0.5f)));
-  }
-  ax += 0xc8000fffu + ((ax >> 13) & 1u);  // rebias exponent by -112, round to nearest even
-  return static_cast<uint16_t>(sign | (ax >> 13));
-}
-
-inline float f16_bits_to_f32(uint16_t h) {
-  uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  uint32_t em = h & 0x7fffu;
-  if (em >= 0x7c00u) return bits_f32(sign | 0x7f800000u | ((em & 0x3ffu) << 13));
-  if (em >= 0x0400u) return bits_f32(sign | ((em << 13) + 0x38000000u));
-  float f = static_cast<float>(em) * 5.9604644775390625e-08f;  // exact: em * 2^-24
-  return bits_f32(f32_bits(f) | sign);
-}
-
-inline uint16_t f32_to_bf16_bits(float f) {
-  uint32_t x = f32_bits(f);
-  if ((x & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((x >> 16) | 0x40u);
-  x += 0x7fffu + ((x >> 16) & 1u);
-  return static_cast<uint16_t>(x >> 16);
-}
-
-inline float bf16_bits_to_f32(uint16_t b) { return bits_f32(static_cast<uint32_t>(b) << 16); }
-
-// double -> float rounded to odd. Rounding that result to 16 bits (RNE) equals rounding the
-// double directly (24 >= 11 + 2 and 24 >= 8 + 2), so f64 inputs are rounded once, as numpy does.
-inline float f64_to_f32_round_odd(double d) {
-  float f = static_cast<float>(d);
-  if (std::isnan(d) || std::isinf(f) || static_cast<double>(f) == d) return f;
-  uint32_t b = f32_bits(f);
-  if (std::fabs(static_cast<double>(f)) > std::fabs(d)) b -= 1;  // step toward zero
-  return bits_f32(b | 1u);
-}
 
 // Accumulator type: float for 32-bit and narrower inputs, double for f64.
 template <class T> struct Acc { using type = float; };

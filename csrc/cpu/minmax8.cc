@@ -103,10 +103,7 @@ __attribute__((target("avx2"))) void codes_f32_avx2(const float* x, int64_t len,
     w = _mm256_permutevar8x32_epi32(w, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + j), w);
   }
-  for (; j < len; ++j) {
-    const float r = std::floor((x[j] - lo) * inv + 0.5f);
-    codes[j] = static_cast<uint8_t>(r >= 255.0f ? 255.0f : r > 0.0f ? r : 0.0f);
-  }
+  for (; j < len; ++j) codes[j] = minmax8_code(x[j], lo, inv);
 }
 
 }  // namespace
@@ -151,9 +148,7 @@ void encode(DType d, const void* x, int64_t n, const Params& p, void* payload) {
       L.bounds[2 * k + 1] = hi;
       const Grid g = grid(lo, hi);
       for (int64_t j = 0; j < len; ++j) {
-        const float q = (static_cast<float>(to_acc(xs[s + j])) - g.lo) * g.inv;
-        const float r = std::floor(q + 0.5f);
-        L.codes[s + j] = static_cast<uint8_t>(r >= 255.0f ? 255.0f : r > 0.0f ? r : 0.0f);
+        L.codes[s + j] = minmax8_code(static_cast<float>(to_acc(xs[s + j])), g.lo, g.inv);
       }
     }
   });

@@ -30,38 +30,12 @@ constexpr int64_t kDitherHeader = 16;
 constexpr int64_t kNaturalHeader = 8;
 constexpr int64_t kSumLanes = 16;  // fixed summation order for the norms (SIMD = scalar)
 
-int bits_for(int64_t s) {
-  int b = 0;
-  while ((int64_t{1} << b) <= 2 * s) ++b;
-  return b;
-}
+int bits_for(int64_t s) { return dither_bits(s); }
 
 int64_t code_bytes(int64_t n, int b) { return ((n + 7) / 8 * b + 7) / 8 * 8; }
 
-// Uniform in [0, 1) on a 2^-16 grid, from element index i and the step's seed. One hash gives
-// two draws: murmur3's 32-bit finaliser (full avalanche; two rounds left nearby seeds visibly
-// correlated) of key = (h * 0x9e3779b1 + low32(seed)) ^ high32(seed), h = (i / 16) * 8 + i % 8;
-// elements i % 16 < 8 take its low 16 bits, the others its high 16 bits, so SIMD code hashes 8
-// lanes for 16 elements without shuffling. Rounding up when u < frac is then unbiased to
-// within 2^-16 of a level gap.
-inline uint32_t mix32(uint32_t h) {
-  h ^= h >> 16;
-  h *= 0x85ebca6bu;
-  h ^= h >> 13;
-  h *= 0xc2b2ae35u;
-  h ^= h >> 16;
-  return h;
-}
-
-inline float uniform(uint64_t seed, int64_t i) {
-  const uint32_t hidx = static_cast<uint32_t>(((i >> 4) << 3) | (i & 7));
-  const uint32_t h = mix32((hidx * 0x9e3779b1u + static_cast<uint32_t>(seed)) ^
-                           static_cast<uint32_t>(seed >> 32));
-  return static_cast<float>((i & 8) ? h >> 16 : h & 0xffffu) * (1.0f / 65536.0f);
-}
-
-// Keys of hash indices h..h+7 (see uniform()); walking the gradient, callers advance them by
-// 8 * 0x9e3779b1 rather than multiply again.
+// Keys of hash indices h..h+7 (see uniform() in hvdc/element.h); walking the gradient,
+// callers advance them by 8 * 0x9e3779b1 rather than multiply again.
 __attribute__((target("avx2"))) inline __m256i uniform_keys8(uint64_t seed, int64_t h) {
   const __m256i idx = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(h)),
                                        _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
@@ -172,21 +146,6 @@ float dither_norm(const Stats& st, int64_t n, const Params& p) {
     return bound > 0.0f ? std::min(st.maxabs, bound) : st.maxabs;  // constant x: nothing to clip
   }
   return st.maxabs;
-}
-
-// Level before the sign: see the file comment. Linear levels take t = min(|x| * s / norm, s),
-// natural ones a = min(|x| / norm, 1).
-inline int32_t linear_level(float t, float u) {
-  const float f = std::floor(t);
-  return static_cast<int32_t>(f) + (u < t - f ? 1 : 0);
-}
-inline int32_t natural_level(float a, float u, int64_t s) {
-  const float lowest = std::ldexp(1.0f, static_cast<int>(1 - s));
-  if (a < lowest) return u < a * std::ldexp(1.0f, static_cast<int>(s - 1)) ? 1 : 0;
-  const uint32_t b = f32_bits(a);
-  const int32_t e = static_cast<int32_t>(b >> 23) - 127;
-  const float frac = bits_f32((b & 0x7fffffu) | 0x3f800000u) - 1.0f;
-  return e + static_cast<int32_t>(s) + (u < frac ? 1 : 0);
 }
 
 inline void put_group(uint8_t* codes, int64_t g, int b, int64_t cap, uint64_t w) {
@@ -325,11 +284,7 @@ void dither_aggregate(DType d, const void* payloads, int64_t ranks, int64_t stri
     std::memcpy(&norm, base + r * stride + 8, 4);
     for (int64_t c = 0; c < nc; ++c) {
       const int64_t l = c >= p.s ? c - p.s : p.s - c;
-      float m;
-      if (p.partition == kNaturalLevels)
-        m = (l == 0 ? 0.0f : std::ldexp(1.0f, static_cast<int>(l - p.s))) * norm;
-      else
-        m = static_cast<float>(l) * (norm / static_cast<float>(p.s));
+      const float m = dither_magnitude(l, p.s, p.partition == kNaturalLevels, norm);
       table[r * nc + c] = c < p.s ? -m : m;
     }
   }
@@ -389,22 +344,9 @@ void natural_encode(DType d, const void* x, int64_t n, const Params& p, void* pa
     }
     const int32_t lowest = std::max(top - 126, -1022);
     const double lowest_v = std::ldexp(1.0, lowest);
-    for (int64_t i = 0; i < n; ++i) {
-      const double v = static_cast<double>(to_acc(xs[i]));
-      const double a = std::fabs(v);
-      const double u = uniform(p.seed, i);
-      int32_t c;
-      if (a == 0.0) {
-        c = 0;
-      } else if (a < lowest_v) {
-        c = u < std::ldexp(a, -lowest) ? lowest - (top - 127) : 0;
-      } else {
-        int e;
-        const double m = std::frexp(a, &e);  // a = m * 2^e, m in [0.5, 1)
-        c = (e - 1) - (top - 127) + (u < 2.0 * m - 1.0 ? 1 : 0);
-      }
-      codes[i] = static_cast<uint8_t>((v < 0.0 ? 0x80 : 0) | c);
-    }
+    for (int64_t i = 0; i < n; ++i)
+      codes[i] = natural_code(static_cast<double>(to_acc(xs[i])), uniform(p.seed, i), top, lowest,
+                              lowest_v);
   });
 }
 

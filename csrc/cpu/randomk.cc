@@ -9,16 +9,9 @@ namespace hvdc {
 namespace randomk {
 namespace {
 
-inline uint64_t mix64(uint64_t z) {  // splitmix64 finaliser
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
-
 // Walks the strata in order without a division per stratum:
 // lo_j = j*q + floor(j*r/k) with q = n/k, r = n%k; the floor part steps by one when the running
-// remainder wraps. The offset inside a stratum is the top 32 bits of the hash scaled to its size
-// (size < 2^31, so the product fits 64 bits).
+// remainder wraps. The element inside a stratum is stratum_pick() (hvdc/element.h).
 class Strata {
  public:
   Strata(int64_t n, int64_t k, uint64_t seed) : k_(k), q_(n / k), r_(n % k), seed_(seed) {}
@@ -27,8 +20,7 @@ class Strata {
     const bool carry = rem_ + r_ >= k_;
     *size = q_ + (carry ? 1 : 0);
     rem_ = rem_ + r_ - (carry ? k_ : 0);
-    const uint64_t h = mix64(seed_ + static_cast<uint64_t>(j + 1) * 0x9e3779b97f4a7c15ull);
-    const int64_t idx = lo_ + static_cast<int64_t>(((h >> 32) * static_cast<uint64_t>(*size)) >> 32);
+    const int64_t idx = stratum_pick(lo_, *size, seed_, j);
     lo_ += *size;
     return idx;
   }

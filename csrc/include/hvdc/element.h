@@ -1,0 +1,181 @@
+// Per-element arithmetic shared by the CPU kernels (csrc/cpu) and the CUDA kernels (csrc/cuda):
+// 16-bit conversions, the counter-based hashes behind the stochastic codecs and the dithering
+// levels. Both sides compile these same functions, so a CUDA kernel differs from its CPU twin
+// only in how the work is split, never in what one element computes.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#define HVDC_HD __host__ __device__ __forceinline__
+#else
+#define HVDC_HD inline
+#endif
+
+namespace hvdc {
+
+HVDC_HD uint32_t f32_bits(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+#endif
+}
+HVDC_HD float bits_f32(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+#endif
+}
+HVDC_HD uint64_t f64_bits(double d) {
+#if defined(__CUDA_ARCH__)
+  return static_cast<uint64_t>(__double_as_longlong(d));
+#else
+  uint64_t u;
+  std::memcpy(&u, &d, 8);
+  return u;
+#endif
+}
+
+// Conversions are written out bit by bit (round to nearest even, NaN kept quiet) so results do
+// not depend on the compiler's, the GPU's or the framework's half-precision support.
+HVDC_HD uint16_t f32_to_f16_bits(float f) {
+  uint32_t x = f32_bits(f);
+  uint32_t sign = (x >> 16) & 0x8000u;
+  uint32_t ax = x & 0x7fffffffu;
+  if (ax >= 0x7f800000u)  // inf stays inf, NaN stays a quiet NaN with its top payload bits
+    return static_cast<uint16_t>(sign | 0x7c00u | (ax > 0x7f800000u ? 0x200u | ((ax >> 13) & 0x3ffu) : 0u));
+  if (ax >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // rounds past 65504
+  if (ax < 0x38800000u) {
+    // Half subnormal: adding 0.5f (ulp 2^-24) lets the FPU round to a multiple of 2^-24.
+    float a = bits_f32(ax) + 0.5f;
+    return static_cast<uint16_t>(sign | (f32_bits(a) - f32_bits(0.5f)));
+  }
+  ax += 0xc8000fffu + ((ax >> 13) & 1u);  // rebias exponent by -112, round to nearest even
+  return static_cast<uint16_t>(sign | (ax >> 13));
+}
+
+HVDC_HD float f16_bits_to_f32(uint16_t h) {
+  uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t em = h & 0x7fffu;
+  if (em >= 0x7c00u) return bits_f32(sign | 0x7f800000u | ((em & 0x3ffu) << 13));
+  if (em >= 0x0400u) return bits_f32(sign | ((em << 13) + 0x38000000u));
+  float f = static_cast<float>(em) * 5.9604644775390625e-08f;  // exact: em * 2^-24
+  return bits_f32(f32_bits(f) | sign);
+}
+
+HVDC_HD uint16_t f32_to_bf16_bits(float f) {
+  uint32_t x = f32_bits(f);
+  if ((x & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((x >> 16) | 0x40u);
+  x += 0x7fffu + ((x >> 16) & 1u);
+  return static_cast<uint16_t>(x >> 16);
+}
+
+HVDC_HD float bf16_bits_to_f32(uint16_t b) { return bits_f32(static_cast<uint32_t>(b) << 16); }
+
+// double -> float rounded to odd. Rounding that result to 16 bits (RNE) equals rounding the
+// double directly (24 >= 11 + 2 and 24 >= 8 + 2), so f64 inputs are rounded once, as numpy does.
+HVDC_HD float f64_to_f32_round_odd(double d) {
+  float f = static_cast<float>(d);
+  const bool inf = (f32_bits(f) & 0x7fffffffu) == 0x7f800000u;
+  if (d != d || inf || static_cast<double>(f) == d) return f;
+  uint32_t b = f32_bits(f);
+  if (fabs(static_cast<double>(f)) > fabs(d)) b -= 1;  // step toward zero
+  return bits_f32(b | 1u);
+}
+
+// Uniform in [0, 1) on a 2^-16 grid, from element index i and the step's seed. One hash gives
+// two draws: murmur3's 32-bit finaliser (full avalanche; two rounds left nearby seeds visibly
+// correlated) of key = (h * 0x9e3779b1 + low32(seed)) ^ high32(seed), h = (i / 16) * 8 + i % 8;
+// elements i % 16 < 8 take its low 16 bits, the others its high 16 bits, so SIMD code hashes 8
+// lanes for 16 elements without shuffling. Rounding up when u < frac is then unbiased to
+// within 2^-16 of a level gap.
+HVDC_HD uint32_t mix32(uint32_t h) {
+  h ^= h >> 16;
+  h *= 0x85ebca6bu;
+  h ^= h >> 13;
+  h *= 0xc2b2ae35u;
+  h ^= h >> 16;
+  return h;
+}
+
+HVDC_HD float uniform(uint64_t seed, int64_t i) {
+  const uint32_t hidx = static_cast<uint32_t>(((i >> 4) << 3) | (i & 7));
+  const uint32_t h = mix32((hidx * 0x9e3779b1u + static_cast<uint32_t>(seed)) ^
+                           static_cast<uint32_t>(seed >> 32));
+  return static_cast<float>((i & 8) ? h >> 16 : h & 0xffffu) * (1.0f / 65536.0f);
+}
+
+HVDC_HD uint64_t mix64(uint64_t z) {  // splitmix64 finaliser
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+// randomk: stratum j of n elements cut into k is [floor(j*n/k), floor((j+1)*n/k)); the element
+// drawn from it is at the top 32 bits of a hash of (seed, j) scaled to the stratum's size
+// (size < 2^31, so the product fits 64 bits).
+HVDC_HD int64_t stratum_pick(int64_t lo, int64_t size, uint64_t seed, int64_t j) {
+  const uint64_t h = mix64(seed + static_cast<uint64_t>(j + 1) * 0x9e3779b97f4a7c15ull);
+  return lo + static_cast<int64_t>(((h >> 32) * static_cast<uint64_t>(size)) >> 32);
+}
+
+// Dithering level before the sign. Linear levels take t = min(|x| * s / norm, s), natural ones
+// a = min(|x| / norm, 1); u is the element's uniform().
+HVDC_HD int32_t linear_level(float t, float u) {
+  const float f = floorf(t);
+  return static_cast<int32_t>(f) + (u < t - f ? 1 : 0);
+}
+HVDC_HD int32_t natural_level(float a, float u, int64_t s) {
+  const float lowest = ldexpf(1.0f, static_cast<int>(1 - s));
+  if (a < lowest) return u < a * ldexpf(1.0f, static_cast<int>(s - 1)) ? 1 : 0;
+  const uint32_t b = f32_bits(a);
+  const int32_t e = static_cast<int32_t>(b >> 23) - 127;
+  const float frac = bits_f32((b & 0x7fffffu) | 0x3f800000u) - 1.0f;
+  return e + static_cast<int32_t>(s) + (u < frac ? 1 : 0);
+}
+
+// Decoded magnitude of dithering level l: linear l * (norm / s), natural 0 and 2^(l-s) * norm.
+HVDC_HD float dither_magnitude(int64_t l, int64_t s, bool natural, float norm) {
+  if (natural) return (l == 0 ? 0.0f : ldexpf(1.0f, static_cast<int>(l - s))) * norm;
+  return static_cast<float>(l) * (norm / static_cast<float>(s));
+}
+
+// Bit width of a dithering code in [0, 2s].
+HVDC_HD int dither_bits(int64_t s) {
+  int b = 0;
+  while ((int64_t{1} << b) <= 2 * s) ++b;
+  return b;
+}
+
+// natural compression of one value: code = sign << 7 | c, c = 0 is zero, else 2^(top - 127 + c).
+// lowest = max(top - 126, -1022), lowest_v = 2^lowest.
+HVDC_HD uint8_t natural_code(double v, double u, int32_t top, int32_t lowest, double lowest_v) {
+  const double a = fabs(v);
+  int32_t c;
+  if (a == 0.0) {
+    c = 0;
+  } else if (a < lowest_v) {
+    c = u < ldexp(a, -lowest) ? lowest - (top - 127) : 0;
+  } else {
+    int e;
+    const double m = frexp(a, &e);  // a = m * 2^e, m in [0.5, 1)
+    c = (e - 1) - (top - 127) + (u < 2.0 * m - 1.0 ? 1 : 0);
+  }
+  return static_cast<uint8_t>((v < 0.0 ? 0x80 : 0) | c);
+}
+
+// minmax8 code of v in a chunk with bounds lo and inv = 255 / (hi - lo) (0 for a flat chunk).
+HVDC_HD uint8_t minmax8_code(float v, float lo, float inv) {
+  const float r = floorf((v - lo) * inv + 0.5f);
+  return static_cast<uint8_t>(r >= 255.0f ? 255.0f : r > 0.0f ? r : 0.0f);
+}
+
+}  // namespace hvdc
