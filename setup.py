@@ -1,8 +1,9 @@
 """hvd_compress: gradient compression for Horovod, on PyTorch and TensorFlow.
 
-The codec kernels in csrc/ are compiled into a torch extension when torch is installed and into
-a TensorFlow op library when TensorFlow is; the framework-neutral core (hvd_compress/) installs
-and imports without either.
+The codec kernels in csrc/ are compiled into a torch extension when torch is installed (with the
+CUDA kernels of csrc/cuda when torch is a CUDA build and nvcc is present) and into a TensorFlow
+op library when TensorFlow is; the framework-neutral core (hvd_compress/) installs and imports
+without either.
 """
 import glob
 import os
@@ -16,17 +17,43 @@ KERNEL_SOURCES = sorted(glob.glob(os.path.join("csrc", "cpu", "*.cc")))
 CXX_FLAGS = ["-O3", "-std=c++17", "-ffp-contract=off", "-fno-math-errno"]
 
 
+CUDA_SOURCES = sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
+# --fmad=false is nvcc's -ffp-contract=off: the CUDA kernels then round where the CPU ones do
+# and match them bit for bit.
+NVCC_FLAGS = ["-O3", "-std=c++17", "--fmad=false", "-Xcompiler", "-fno-math-errno"]
+
+
+def cuda_build():
+    """Why the CUDA kernels are (not) built: they need a CUDA build of torch and nvcc."""
+    if os.environ.get("HVDC_CUDA", "") == "0":
+        return False, "HVDC_CUDA=0"
+    import torch
+    from torch.utils.cpp_extension import CUDA_HOME
+    if torch.version.cuda is None:
+        return False, f"torch {torch.__version__} is a CPU build"
+    if CUDA_HOME is None:
+        return False, "no CUDA toolkit (nvcc) found; set CUDA_HOME"
+    return True, f"torch {torch.__version__} (CUDA {torch.version.cuda}), toolkit in {CUDA_HOME}"
+
+
 def torch_extensions():
     try:
-        from torch.utils.cpp_extension import BuildExtension, CppExtension
+        from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
     except ImportError:
         return [], {}
-    ext = CppExtension(
-        "hvd_compress.torch._C",
-        KERNEL_SOURCES + ["csrc/torch/bindings.cpp"],
-        include_dirs=[os.path.join(ROOT, "csrc", "include")],
-        extra_compile_args=CXX_FLAGS,
-    )
+    with_cuda, why = cuda_build()
+    print(f"hvd_compress: CUDA kernels {'built' if with_cuda else 'skipped'}: {why}")
+    sources = KERNEL_SOURCES + ["csrc/torch/bindings.cpp"]
+    include = [os.path.join(ROOT, "csrc", "include")]
+    if with_cuda:
+        ext = CUDAExtension(
+            "hvd_compress.torch._C", sources + CUDA_SOURCES, include_dirs=include,
+            define_macros=[("HVDC_WITH_CUDA", None)],
+            extra_compile_args={"cxx": CXX_FLAGS, "nvcc": NVCC_FLAGS},
+        )
+    else:
+        ext = CppExtension("hvd_compress.torch._C", sources, include_dirs=include,
+                           extra_compile_args=CXX_FLAGS)
     return [ext], {"build_ext": BuildExtension.with_options(use_ninja=False)}
 
 

@@ -4,6 +4,7 @@
 #include <cstdlib>
 
 #include "common.h"
+#include "hvdc/cuda.h"
 
 namespace hvdc {
 namespace {
@@ -91,6 +92,35 @@ void check_tag(const void* payload, CodecId c, DType d, int64_t rank) {
                     codec_name(c) + " / dtype code " + std::to_string(static_cast<int>(d)) +
                     ": ranks must use the same compression spec");
 }
+
+namespace gpu {
+
+void check_args(CodecId c, DType d, int64_t n, const Params& p) { check_common(c, d, n, p); }
+
+void check_header(CodecId c, DType d, const uint8_t* h, const Params& p, int64_t rank) {
+  check_tag(h, c, d, rank);
+  uint32_t w1, w2;
+  std::memcpy(&w1, h + 4, 4);
+  std::memcpy(&w2, h + 8, 4);
+  const std::string from = rank >= 0 ? " from rank " + std::to_string(rank) : "";
+  if (c == kTopK && w1 != static_cast<uint64_t>(p.k))
+    throw KernelError("topk payload" + from + " carries k=" + std::to_string(w1) +
+                      " but this rank expects k=" + std::to_string(p.k) +
+                      " (ranks configured with different k or ratio?)");
+  if (c == kMinMax8 && w1 != static_cast<uint64_t>(p.chunk))
+    throw KernelError("minmax8 payload" + from + " uses chunk=" + std::to_string(w1) +
+                      ", this rank chunk=" + std::to_string(p.chunk));
+  if (c == kDither && (h[4] != p.s || h[5] != p.partition || h[6] != p.normalize))
+    throw KernelError("dithering payload" + from + " has s=" + std::to_string(h[4]) +
+                      " partition=" + std::to_string(h[5]) + " normalize=" + std::to_string(h[6]) +
+                      ", this rank s=" + std::to_string(p.s) + " partition=" +
+                      std::to_string(p.partition) + " normalize=" + std::to_string(p.normalize));
+  if (c == kDGC && (w1 != static_cast<uint64_t>(p.k) || w2 > static_cast<uint64_t>(p.k)))
+    throw KernelError("dgc payload" + from + " has capacity " + std::to_string(w1) +
+                      ", this rank k=" + std::to_string(p.k));
+}
+
+}  // namespace gpu
 
 int64_t payload_bytes(CodecId c, DType d, int64_t n, const Params& p) {
   check_common(c, d, n, p);

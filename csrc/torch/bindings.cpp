@@ -1,9 +1,55 @@
-// torch extension: tensors in, the framework-neutral kernels of csrc/cpu called on their data.
+// torch extension: tensors in, the framework-neutral kernels called on their data: csrc/cpu for
+// CPU tensors, csrc/cuda for CUDA tensors (when built with CUDA), on the current stream.
 #include <torch/extension.h>
 
 #include "hvdc/kernels.h"
+#ifdef HVDC_WITH_CUDA
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include "hvdc/cuda.h"
+#endif
 
 namespace {
+
+// Where a call runs: on the CPU, or on a CUDA device and its current stream.
+struct Where {
+  bool cuda = false;
+  void* stream = nullptr;
+  c10::Device device = c10::Device(c10::kCPU);
+};
+
+Where where_of(const at::Tensor& t, const char* what) {
+  Where w;
+  w.device = t.device();
+  if (t.device().is_cpu()) return w;
+#ifdef HVDC_WITH_CUDA
+  if (t.device().is_cuda()) {
+    w.cuda = true;
+    w.stream = c10::cuda::getCurrentCUDAStream(t.device().index()).stream();
+    return w;
+  }
+#endif
+  throw hvdc::KernelError(std::string(what) + " is on " + t.device().str() +
+#ifdef HVDC_WITH_CUDA
+                          "; hvd_compress runs on CPU and CUDA tensors");
+#else
+                          "; this build has CPU kernels only (build with a CUDA torch and nvcc "
+                          "for CUDA tensors)");
+#endif
+}
+
+void check_on(const at::Tensor& t, const Where& w, const char* what) {
+  if (t.device() != w.device)
+    throw hvdc::KernelError(std::string(what) + " is on " + t.device().str() + ", the gradient on " +
+                            w.device.str() + ": all tensors of a call must be on one device");
+}
+
+#ifdef HVDC_WITH_CUDA
+#define HVDC_GUARD(w) c10::OptionalDeviceGuard guard_(w.cuda ? std::optional<c10::Device>(w.device) : std::nullopt)
+#else
+#define HVDC_GUARD(w) (void)w
+#endif
 
 hvdc::DType dtype_of(const at::Tensor& t, const char* what) {
   switch (t.scalar_type()) {
@@ -28,14 +74,8 @@ at::ScalarType scalar_of(int32_t d) {
   }
 }
 
-void check_cpu(const at::Tensor& t, const char* what) {
-  if (!t.device().is_cpu())
-    throw hvdc::KernelError(std::string(what) + " is on " + t.device().str() +
-                            "; this build has CPU kernels only");
-}
-
-void check_out(const at::Tensor& out, const at::Tensor& like, const char* what) {
-  check_cpu(out, what);
+void check_out(const at::Tensor& out, const at::Tensor& like, const Where& w, const char* what) {
+  check_on(out, w, what);
   if (!out.is_contiguous()) throw hvdc::KernelError(std::string(what) + " must be contiguous");
   if (out.scalar_type() != like.scalar_type() || out.numel() != like.numel())
     throw hvdc::KernelError(std::string(what) + " must match the gradient: " +
@@ -45,9 +85,9 @@ void check_out(const at::Tensor& out, const at::Tensor& like, const char* what) 
                             std::to_string(out.numel()) + "]");
 }
 
-void check_payload(const at::Tensor& payload, int64_t codec, hvdc::DType d, int64_t n,
-                   const hvdc::Params& p) {
-  check_cpu(payload, "payload");
+void check_payload(const at::Tensor& payload, const Where& w, int64_t codec, hvdc::DType d,
+                   int64_t n, const hvdc::Params& p) {
+  check_on(payload, w, "payload");
   if (!payload.is_contiguous()) throw hvdc::KernelError("payload must be contiguous");
   const int64_t want = hvdc::payload_bytes(static_cast<hvdc::CodecId>(codec), d, n, p);
   const int64_t got = payload.numel() * payload.element_size();
@@ -67,71 +107,110 @@ at::Tensor new_payload(int64_t codec, const at::Tensor& x, const hvdc::Params& p
 }
 
 void encode(int64_t codec, const at::Tensor& x, const hvdc::Params& p, at::Tensor& payload) {
-  check_cpu(x, "gradient");
+  const Where w = where_of(x, "gradient");
+  HVDC_GUARD(w);
   const auto d = dtype_of(x, "gradient");
   auto xc = x.contiguous();
-  check_payload(payload, codec, d, xc.numel(), p);
-  hvdc::encode(static_cast<hvdc::CodecId>(codec), d, xc.data_ptr(), xc.numel(), p,
-               payload.data_ptr());
+  check_payload(payload, w, codec, d, xc.numel(), p);
+  const auto c = static_cast<hvdc::CodecId>(codec);
+#ifdef HVDC_WITH_CUDA
+  if (w.cuda) return hvdc::gpu::encode(c, d, xc.data_ptr(), xc.numel(), p, payload.data_ptr(), w.stream);
+#endif
+  hvdc::encode(c, d, xc.data_ptr(), xc.numel(), p, payload.data_ptr());
 }
 
 void decode(int64_t codec, const at::Tensor& payload, at::Tensor& out, const hvdc::Params& p,
             double alpha, bool accumulate) {
-  check_out(out, out, "output");
+  const Where w = where_of(out, "output");
+  HVDC_GUARD(w);
+  check_out(out, out, w, "output");
   const auto d = dtype_of(out, "output");
-  check_payload(payload, codec, d, out.numel(), p);
-  hvdc::decode(static_cast<hvdc::CodecId>(codec), d, payload.data_ptr(), out.numel(), p,
-               out.data_ptr(), alpha, accumulate);
+  check_payload(payload, w, codec, d, out.numel(), p);
+  const auto c = static_cast<hvdc::CodecId>(codec);
+#ifdef HVDC_WITH_CUDA
+  if (w.cuda)
+    return hvdc::gpu::decode(c, d, payload.data_ptr(), out.numel(), p, out.data_ptr(), alpha,
+                             accumulate, w.stream);
+#endif
+  hvdc::decode(c, d, payload.data_ptr(), out.numel(), p, out.data_ptr(), alpha, accumulate);
+}
+
+void run_aggregate(const Where& w, hvdc::CodecId c, hvdc::DType d, const at::Tensor& gathered,
+                   int64_t ranks, int64_t stride, at::Tensor& out, const hvdc::Params& p,
+                   double alpha) {
+#ifdef HVDC_WITH_CUDA
+  if (w.cuda)
+    return hvdc::gpu::aggregate(c, d, gathered.data_ptr(), ranks, stride, out.numel(), p,
+                                out.data_ptr(), alpha, w.stream);
+#endif
+  hvdc::aggregate(c, d, gathered.data_ptr(), ranks, stride, out.numel(), p, out.data_ptr(), alpha);
 }
 
 void aggregate(int64_t codec, const at::Tensor& gathered, at::Tensor& out, const hvdc::Params& p,
                double alpha) {
-  check_out(out, out, "output");
-  check_cpu(gathered, "gathered payloads");
+  const Where w = where_of(out, "output");
+  HVDC_GUARD(w);
+  check_out(out, out, w, "output");
+  check_on(gathered, w, "gathered payloads");
   if (gathered.dim() != 2 || gathered.scalar_type() != at::kByte || !gathered.is_contiguous())
     throw hvdc::KernelError("gathered payloads must be a contiguous uint8 [ranks, bytes] tensor");
   const auto d = dtype_of(out, "output");
-  const int64_t want = hvdc::payload_bytes(static_cast<hvdc::CodecId>(codec), d, out.numel(), p);
+  const auto c = static_cast<hvdc::CodecId>(codec);
+  const int64_t want = hvdc::payload_bytes(c, d, out.numel(), p);
   if (gathered.size(1) != want)
     throw hvdc::KernelError("gathered payloads are " + std::to_string(gathered.size(1)) +
                             " bytes per rank, the codec needs " + std::to_string(want) +
                             ": ranks disagree on the tensor size or the codec parameters");
-  hvdc::aggregate(static_cast<hvdc::CodecId>(codec), d, gathered.data_ptr(), gathered.size(0),
-                  gathered.size(1), out.numel(), p, out.data_ptr(), alpha);
+  run_aggregate(w, c, d, gathered, gathered.size(0), gathered.size(1), out, p, alpha);
 }
 
 // Payloads of variable-size codecs, back to back in one uint8 vector (Horovod's allgather of
 // 1-D tensors of different lengths).
 void aggregate_concat(int64_t codec, const at::Tensor& gathered, int64_t ranks, at::Tensor& out,
                       const hvdc::Params& p, double alpha) {
-  check_out(out, out, "output");
-  check_cpu(gathered, "gathered payloads");
+  const Where w = where_of(out, "output");
+  HVDC_GUARD(w);
+  check_out(out, out, w, "output");
+  check_on(gathered, w, "gathered payloads");
   if (gathered.dim() != 1 || gathered.scalar_type() != at::kByte || !gathered.is_contiguous())
     throw hvdc::KernelError("gathered payloads must be a contiguous uint8 vector");
-  hvdc::aggregate(static_cast<hvdc::CodecId>(codec), dtype_of(out, "output"), gathered.data_ptr(),
-                  ranks, gathered.numel(), out.numel(), p, out.data_ptr(), alpha);
+  run_aggregate(w, static_cast<hvdc::CodecId>(codec), dtype_of(out, "output"), gathered, ranks,
+                gathered.numel(), out, p, alpha);
 }
 
 int64_t encoded_bytes(int64_t codec, const at::Tensor& payload, const at::Tensor& like,
                       const hvdc::Params& p) {
+  const Where w = where_of(payload, "payload");
+  HVDC_GUARD(w);
   const auto d = dtype_of(like, "gradient");
-  check_payload(payload, codec, d, like.numel(), p);
-  return hvdc::encoded_bytes(static_cast<hvdc::CodecId>(codec), d, payload.data_ptr(), like.numel(), p);
+  check_payload(payload, w, codec, d, like.numel(), p);
+  const auto c = static_cast<hvdc::CodecId>(codec);
+#ifdef HVDC_WITH_CUDA
+  if (w.cuda) return hvdc::gpu::encoded_bytes(c, d, payload.data_ptr(), like.numel(), p, w.stream);
+#endif
+  return hvdc::encoded_bytes(c, d, payload.data_ptr(), like.numel(), p);
 }
 
 void encode_with_state(int64_t codec, const at::Tensor& x, std::vector<at::Tensor> state,
                        const hvdc::Params& p, at::Tensor& payload) {
-  check_cpu(x, "gradient");
+  const Where w = where_of(x, "gradient");
+  HVDC_GUARD(w);
   const auto d = dtype_of(x, "gradient");
   auto xc = x.contiguous();
-  check_payload(payload, codec, d, xc.numel(), p);
+  check_payload(payload, w, codec, d, xc.numel(), p);
   std::vector<void*> ptrs;
   for (auto& s : state) {
-    check_out(s, xc, "codec state");
+    check_out(s, xc, w, "codec state");
     ptrs.push_back(s.data_ptr());
   }
-  hvdc::encode_with_state(static_cast<hvdc::CodecId>(codec), d, xc.data_ptr(), ptrs.data(),
-                          static_cast<int64_t>(ptrs.size()), xc.numel(), p, payload.data_ptr());
+  const auto c = static_cast<hvdc::CodecId>(codec);
+  const auto ns = static_cast<int64_t>(ptrs.size());
+#ifdef HVDC_WITH_CUDA
+  if (w.cuda)
+    return hvdc::gpu::encode_with_state(c, d, xc.data_ptr(), ptrs.data(), ns, xc.numel(), p,
+                                        payload.data_ptr(), w.stream);
+#endif
+  hvdc::encode_with_state(c, d, xc.data_ptr(), ptrs.data(), ns, xc.numel(), p, payload.data_ptr());
 }
 
 // PowerSGD: M is the 2-D gradient view, P [rows, r] and Qt [r, cols] in its accumulator type.
@@ -139,8 +218,9 @@ at::ScalarType factor_type(const at::Tensor& m) {
   return m.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
 }
 
-void check_factor(const at::Tensor& f, const at::Tensor& m, int64_t d0, int64_t d1, const char* what) {
-  check_cpu(f, what);
+void check_factor(const at::Tensor& f, const at::Tensor& m, const Where& w, int64_t d0, int64_t d1,
+                  const char* what) {
+  check_on(f, w, what);
   if (f.scalar_type() != factor_type(m) || f.dim() != 2 || f.size(0) != d0 || f.size(1) != d1 ||
       !f.is_contiguous())
     throw hvdc::KernelError(std::string(what) + " must be a contiguous " +
@@ -148,107 +228,160 @@ void check_factor(const at::Tensor& f, const at::Tensor& m, int64_t d0, int64_t 
                             ", " + std::to_string(d1) + "] tensor");
 }
 
-void check_matrix(const at::Tensor& m, const char* what) {
-  check_cpu(m, what);
+void check_matrix(const at::Tensor& m, const Where& w, const char* what) {
+  check_on(m, w, what);
   if (m.dim() != 2 || !m.is_contiguous())
     throw hvdc::KernelError(std::string(what) + " must be a contiguous 2-D tensor");
 }
 
 // The PowerSGD bindings take a batch: B same-shape matrices as a list (gradients and residuals
 // stay in their own storage) and their factors stacked, P as [B, rows, r] and Qt as [B, r, cols],
-// so one allreduce carries every P (or Q) of the batch.
+// so one allreduce carries every P (or Q) of the batch, and on CUDA one launch runs each pass.
 void check_factor_batch(size_t b, const at::Tensor& factor, const char* what) {
   if (factor.dim() != 3 || factor.size(0) != static_cast<int64_t>(b))
     throw hvdc::KernelError(std::string(what) + " must be a [" + std::to_string(b) +
                             ", ., .] tensor, one factor per matrix of the batch");
 }
 
-void check_batch(const std::vector<at::Tensor>& ms, const at::Tensor& p, const at::Tensor& qt) {
+Where check_batch(const std::vector<at::Tensor>& ms, const at::Tensor& p, const at::Tensor& qt) {
   if (ms.empty()) throw hvdc::KernelError("a PowerSGD batch needs at least one matrix");
+  const Where w = where_of(ms[0], "matrix");
   check_factor_batch(ms.size(), p, "P");
   check_factor_batch(ms.size(), qt, "Qt");
   for (const auto& m : ms) {
-    check_matrix(m, "matrix");
+    check_matrix(m, w, "matrix");
     if (m.sizes() != ms[0].sizes() || m.scalar_type() != ms[0].scalar_type())
       throw hvdc::KernelError("the matrices of a PowerSGD batch must share shape and dtype");
   }
+  // Every matrix of a batch shares its shape, so the first one's factor shapes stand for all.
+  const auto& m = ms[0];
+  check_factor(qt.select(0, 0), m, w, qt.size(1), m.size(1), "Qt");
+  check_factor(p.select(0, 0), m, w, m.size(0), qt.size(1), "P");
+  if (!p.is_contiguous() || !qt.is_contiguous())
+    throw hvdc::KernelError("P and Qt must be contiguous stacks");
+  return w;
+}
+
+template <class V> std::vector<V> data_ptrs(const std::vector<at::Tensor>& ts) {
+  std::vector<V> out;
+  for (const auto& t : ts) out.push_back(t.data_ptr());
+  return out;
 }
 
 void powersgd_project(const std::vector<at::Tensor>& gs, std::vector<at::Tensor>& es, bool ef,
                       const at::Tensor& qt, at::Tensor& p) {
-  check_batch(gs, p, qt);
+  const Where w = check_batch(gs, p, qt);
+  HVDC_GUARD(w);
   if (ef && es.size() != gs.size())
     throw hvdc::KernelError("error feedback needs one residual per matrix of the batch");
-  for (size_t b = 0; b < gs.size(); ++b) {
-    const at::Tensor& g = gs[b];
-    at::Tensor qb = qt.select(0, b), pb = p.select(0, b);
-    if (ef) check_out(es[b], g, "error-feedback residual");
-    check_factor(qb, g, qb.size(0), g.size(1), "Qt");
-    check_factor(pb, g, g.size(0), qb.size(0), "P");
-    hvdc::powersgd_project(dtype_of(g, "gradient"), g.data_ptr(), ef ? es[b].data_ptr() : nullptr,
-                           ef, g.size(0), g.size(1), qb.data_ptr(), qb.size(0), pb.data_ptr());
+  if (ef)
+    for (size_t b = 0; b < gs.size(); ++b) check_out(es[b], gs[b], w, "error-feedback residual");
+  const auto d = dtype_of(gs[0], "gradient");
+  const int64_t rows = gs[0].size(0), cols = gs[0].size(1), r = qt.size(1);
+#ifdef HVDC_WITH_CUDA
+  if (w.cuda) {
+    const auto g = data_ptrs<const void*>(gs);
+    const auto e = ef ? data_ptrs<void*>(es) : std::vector<void*>(gs.size(), nullptr);
+    return hvdc::gpu::powersgd_project(d, g.data(), e.data(), ef, static_cast<int64_t>(gs.size()),
+                                       rows, cols, qt.data_ptr(), r, p.data_ptr(), w.stream);
   }
+#endif
+  for (size_t b = 0; b < gs.size(); ++b)
+    hvdc::powersgd_project(d, gs[b].data_ptr(), ef ? es[b].data_ptr() : nullptr, ef, rows, cols,
+                           qt.select(0, b).data_ptr(), r, p.select(0, b).data_ptr());
 }
 
 void powersgd_orthogonalize(at::Tensor& p, double eps) {
-  check_cpu(p, "P");
-  if (p.dim() != 3 || !p.is_contiguous())
-    throw hvdc::KernelError("P must be a contiguous [batch, rows, rank] tensor");
+  const Where w = where_of(p, "P");
+  HVDC_GUARD(w);
+  if (p.dim() != 3 || !p.is_contiguous() ||
+      (p.scalar_type() != at::kFloat && p.scalar_type() != at::kDouble))
+    throw hvdc::KernelError("P must be a contiguous float32 or float64 [batch, rows, rank] tensor");
+  const auto d = p.scalar_type() == at::kDouble ? hvdc::kF64 : hvdc::kF32;
+#ifdef HVDC_WITH_CUDA
+  if (w.cuda)
+    return hvdc::gpu::powersgd_orthogonalize(d, p.data_ptr(), p.size(0), p.size(1), p.size(2), eps,
+                                             w.stream);
+#endif
   for (int64_t b = 0; b < p.size(0); ++b)
-    hvdc::powersgd_orthogonalize(p.scalar_type() == at::kDouble ? hvdc::kF64 : hvdc::kF32,
-                                 p.select(0, b).data_ptr(), p.size(1), p.size(2), eps);
+    hvdc::powersgd_orthogonalize(d, p.select(0, b).data_ptr(), p.size(1), p.size(2), eps);
 }
 
 void powersgd_back_project(const std::vector<at::Tensor>& ms, const at::Tensor& p, at::Tensor& qt) {
-  check_batch(ms, p, qt);
-  for (size_t b = 0; b < ms.size(); ++b) {
-    const at::Tensor& m = ms[b];
-    at::Tensor pb = p.select(0, b), qb = qt.select(0, b);
-    check_factor(pb, m, m.size(0), pb.size(1), "P");
-    check_factor(qb, m, pb.size(1), m.size(1), "Qt");
-    hvdc::powersgd_back_project(dtype_of(m, "matrix"), m.data_ptr(), m.size(0), m.size(1),
-                                pb.data_ptr(), pb.size(1), qb.data_ptr());
+  const Where w = check_batch(ms, p, qt);
+  HVDC_GUARD(w);
+  const auto d = dtype_of(ms[0], "matrix");
+  const int64_t rows = ms[0].size(0), cols = ms[0].size(1), r = p.size(2);
+#ifdef HVDC_WITH_CUDA
+  if (w.cuda) {
+    const auto m = data_ptrs<const void*>(ms);
+    return hvdc::gpu::powersgd_back_project(d, m.data(), static_cast<int64_t>(ms.size()), rows, cols,
+                                            p.data_ptr(), r, qt.data_ptr(), w.stream);
   }
+#endif
+  for (size_t b = 0; b < ms.size(); ++b)
+    hvdc::powersgd_back_project(d, ms[b].data_ptr(), rows, cols, p.select(0, b).data_ptr(), r,
+                                qt.select(0, b).data_ptr());
 }
 
 void powersgd_reconstruct(const at::Tensor& p, const at::Tensor& qt, std::vector<at::Tensor>& outs,
                           double alpha, bool subtract) {
-  check_batch(outs, p, qt);
-  for (size_t b = 0; b < outs.size(); ++b) {
-    at::Tensor& out = outs[b];
-    at::Tensor pb = p.select(0, b), qb = qt.select(0, b);
-    check_factor(pb, out, out.size(0), pb.size(1), "P");
-    check_factor(qb, out, pb.size(1), out.size(1), "Qt");
-    hvdc::powersgd_reconstruct(dtype_of(out, "output"), pb.data_ptr(), qb.data_ptr(),
-                               out.size(0), out.size(1), pb.size(1), out.data_ptr(), alpha,
-                               subtract);
+  const Where w = check_batch(outs, p, qt);
+  HVDC_GUARD(w);
+  const auto d = dtype_of(outs[0], "output");
+  const int64_t rows = outs[0].size(0), cols = outs[0].size(1), r = p.size(2);
+#ifdef HVDC_WITH_CUDA
+  if (w.cuda) {
+    const auto o = data_ptrs<void*>(outs);
+    return hvdc::gpu::powersgd_reconstruct(d, p.data_ptr(), qt.data_ptr(),
+                                           static_cast<int64_t>(outs.size()), rows, cols, r,
+                                           o.data(), alpha, subtract, w.stream);
   }
+#endif
+  for (size_t b = 0; b < outs.size(); ++b)
+    hvdc::powersgd_reconstruct(d, p.select(0, b).data_ptr(), qt.select(0, b).data_ptr(), rows, cols,
+                               r, outs[b].data_ptr(), alpha, subtract);
 }
 
-float* carry_of(int64_t codec, at::Tensor& carry) {
+float* carry_of(int64_t codec, at::Tensor& carry, const Where& w) {
   const int64_t want = hvdc::ef_carry_size(static_cast<hvdc::CodecId>(codec));
-  check_cpu(carry, "error-feedback carry");
+  if (!want) return nullptr;
+  check_on(carry, w, "error-feedback carry");
   if (carry.scalar_type() != at::kFloat || carry.numel() != want || !carry.is_contiguous())
     throw hvdc::KernelError("error-feedback carry must be a contiguous float32 tensor of " +
                             std::to_string(want) + " element(s) for this codec");
-  return want ? carry.data_ptr<float>() : nullptr;
+  return carry.data_ptr<float>();
 }
 
 void ef_encode(int64_t codec, const at::Tensor& x, at::Tensor& e, at::Tensor& carry,
                const hvdc::Params& p, at::Tensor& payload) {
-  check_cpu(x, "gradient");
-  check_out(e, x, "error-feedback residual");
+  const Where w = where_of(x, "gradient");
+  HVDC_GUARD(w);
+  check_out(e, x, w, "error-feedback residual");
   const auto d = dtype_of(x, "gradient");
   auto xc = x.contiguous();
-  check_payload(payload, codec, d, xc.numel(), p);
-  hvdc::ef_encode(static_cast<hvdc::CodecId>(codec), d, xc.data_ptr(), e.data_ptr(),
-                  carry_of(codec, carry), xc.numel(), p, payload.data_ptr());
+  check_payload(payload, w, codec, d, xc.numel(), p);
+  const auto c = static_cast<hvdc::CodecId>(codec);
+#ifdef HVDC_WITH_CUDA
+  if (w.cuda)
+    return hvdc::gpu::ef_encode(c, d, xc.data_ptr(), e.data_ptr(), carry_of(codec, carry, w),
+                                xc.numel(), p, payload.data_ptr(), w.stream);
+#endif
+  hvdc::ef_encode(c, d, xc.data_ptr(), e.data_ptr(), carry_of(codec, carry, w), xc.numel(), p,
+                  payload.data_ptr());
 }
 
 void ef_settle(int64_t codec, at::Tensor& e, at::Tensor& carry) {
-  check_out(e, e, "error-feedback residual");
-  hvdc::ef_settle(static_cast<hvdc::CodecId>(codec), dtype_of(e, "residual"), e.data_ptr(),
-                  carry_of(codec, carry), e.numel());
+  const Where w = where_of(e, "error-feedback residual");
+  HVDC_GUARD(w);
+  check_out(e, e, w, "error-feedback residual");
+  const auto c = static_cast<hvdc::CodecId>(codec);
+  const auto d = dtype_of(e, "residual");
+#ifdef HVDC_WITH_CUDA
+  if (w.cuda)
+    return hvdc::gpu::ef_settle(c, d, e.data_ptr(), carry_of(codec, carry, w), e.numel(), w.stream);
+#endif
+  hvdc::ef_settle(c, d, e.data_ptr(), carry_of(codec, carry, w), e.numel());
 }
 
 int64_t ef_carry_size(int64_t codec) {
@@ -256,15 +389,29 @@ int64_t ef_carry_size(int64_t codec) {
 }
 
 void nesterov(at::Tensor& x, at::Tensor& m, double mu) {
-  check_out(x, x, "gradient");
-  check_out(m, x, "momentum buffer");
-  hvdc::nesterov(dtype_of(x, "gradient"), x.data_ptr(), m.data_ptr(), x.numel(), mu);
+  const Where w = where_of(x, "gradient");
+  HVDC_GUARD(w);
+  check_out(x, x, w, "gradient");
+  check_out(m, x, w, "momentum buffer");
+  const auto d = dtype_of(x, "gradient");
+#ifdef HVDC_WITH_CUDA
+  if (w.cuda) return hvdc::gpu::nesterov(d, x.data_ptr(), m.data_ptr(), x.numel(), mu, w.stream);
+#endif
+  hvdc::nesterov(d, x.data_ptr(), m.data_ptr(), x.numel(), mu);
+}
+
+bool built_with_cuda() {
+#ifdef HVDC_WITH_CUDA
+  return true;
+#else
+  return false;
+#endif
 }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "hvd_compress codec kernels (CPU)";
+  m.doc() = "hvd_compress codec kernels (CPU, and CUDA when built with it)";
   py::class_<hvdc::Params>(m, "Params")
       .def(py::init<>())
       .def_readwrite("k", &hvdc::Params::k)
@@ -299,4 +446,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("state_count", [](int64_t c) { return hvdc::state_count(static_cast<hvdc::CodecId>(c)); });
   m.def("nesterov", &nesterov, G());
   m.def("cpu_isa", &hvdc::cpu_isa);
+  m.def("built_with_cuda", &built_with_cuda);
 }

@@ -1,0 +1,211 @@
+// Shared pieces of the CUDA kernels: element types, launch shapes, deterministic reductions and
+// stream-ordered scratch memory.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+#include <type_traits>
+
+#include "hvdc/cuda.h"
+#include "hvdc/element.h"
+#include "hvdc/kernels.h"
+
+namespace hvdc {
+namespace gpu {
+
+struct half_t { uint16_t bits; };
+struct bf16_t { uint16_t bits; };
+
+template <class T> struct Acc { using type = float; };
+template <> struct Acc<double> { using type = double; };
+
+HVDC_HD float to_acc(float v) { return v; }
+HVDC_HD double to_acc(double v) { return v; }
+HVDC_HD float to_acc(half_t v) { return f16_bits_to_f32(v.bits); }
+HVDC_HD float to_acc(bf16_t v) { return bf16_bits_to_f32(v.bits); }
+
+template <class T> HVDC_HD T from_acc(typename Acc<T>::type v);
+template <> HVDC_HD float from_acc<float>(float v) { return v; }
+template <> HVDC_HD double from_acc<double>(double v) { return v; }
+template <> HVDC_HD half_t from_acc<half_t>(float v) { return half_t{f32_to_f16_bits(v)}; }
+template <> HVDC_HD bf16_t from_acc<bf16_t>(float v) { return bf16_t{f32_to_bf16_bits(v)}; }
+
+// The value as a T-typed tensor stores it.
+template <class T> HVDC_HD typename Acc<T>::type round_to(typename Acc<T>::type v) {
+  return to_acc(from_acc<T>(v));
+}
+
+template <class F> auto dispatch_dtype(DType dtype, F&& fn) {
+  switch (dtype) {
+    case kF32: return fn(static_cast<float*>(nullptr));
+    case kF64: return fn(static_cast<double*>(nullptr));
+    case kF16: return fn(static_cast<half_t*>(nullptr));
+    case kBF16: return fn(static_cast<bf16_t*>(nullptr));
+  }
+  throw KernelError("unsupported gradient dtype code " + std::to_string(static_cast<int>(dtype)) +
+                    " (valid: float32, float16, bfloat16, float64)");
+}
+
+inline cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
+
+// Turns a CUDA error (of the last launch or call) into the KernelError the frontends report.
+inline void check(cudaError_t err, const char* what) {
+  if (err != cudaSuccess)
+    throw KernelError(std::string("CUDA error in ") + what + ": " + cudaGetErrorString(err));
+}
+inline void check_launch(const char* what) { check(cudaGetLastError(), what); }
+
+constexpr int kThreads = 256;
+// Grid-stride loops cap the grid: enough blocks to fill any current GPU several times over.
+constexpr int64_t kMaxBlocks = 4096;
+inline unsigned blocks_for(int64_t items, int64_t per_block = kThreads) {
+  const int64_t b = (items + per_block - 1) / per_block;
+  return static_cast<unsigned>(b < 1 ? 1 : b > kMaxBlocks ? kMaxBlocks : b);
+}
+
+// Scratch memory for one call, from the stream-ordered pool: freed in stream order, so the
+// kernels queued before the free still see it.
+class Scratch {
+ public:
+  Scratch(size_t bytes, cudaStream_t s) : stream_(s) {
+    if (bytes) check(cudaMallocAsync(&ptr_, bytes, s), "cudaMallocAsync (kernel scratch)");
+  }
+  ~Scratch() {
+    if (ptr_) cudaFreeAsync(ptr_, stream_);
+  }
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+  template <class U> U* as(size_t byte_offset = 0) const {
+    return reinterpret_cast<U*>(static_cast<char*>(ptr_) + byte_offset);
+  }
+
+ private:
+  void* ptr_ = nullptr;
+  cudaStream_t stream_;
+};
+
+// Block-wide sum with a fixed shape (warp shuffles, then the warps' sums in order), so a given
+// launch shape always adds in the same order. Every thread of the block must call it; the
+// result is valid in thread 0.
+template <class V>
+__device__ V block_sum(V v, V* smem /* kThreads / 32 */) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  __syncthreads();
+  if (lane == 0) smem[warp] = v;
+  __syncthreads();
+  V s = V(0);
+  if (threadIdx.x == 0)
+    for (int w = 0; w < static_cast<int>(blockDim.x >> 5); ++w) s += smem[w];
+  return s;
+}
+
+template <class V>
+__device__ V block_max(V v, V* smem) {
+  for (int o = 16; o > 0; o >>= 1) {
+    const V u = __shfl_down_sync(0xffffffffu, v, o);
+    v = u > v ? u : v;
+  }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  __syncthreads();
+  if (lane == 0) smem[warp] = v;
+  __syncthreads();
+  V s = smem[0];
+  if (threadIdx.x == 0)
+    for (int w = 1; w < static_cast<int>(blockDim.x >> 5); ++w) s = smem[w] > s ? smem[w] : s;
+  return s;
+}
+
+// Exclusive prefix sum over the block (values in thread order); *total gets the block's sum.
+__device__ inline int64_t block_exclusive_scan(int64_t v, int64_t* smem /* 32 */, int64_t* total) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int64_t x = v;
+  for (int o = 1; o < 32; o <<= 1) {
+    const int64_t y = __shfl_up_sync(0xffffffffu, x, o);
+    if (lane >= o) x += y;
+  }
+  __syncthreads();
+  if (lane == 31) smem[warp] = x;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int64_t run = 0;
+    for (int w = 0; w < static_cast<int>(blockDim.x >> 5); ++w) {
+      const int64_t t = smem[w];
+      smem[w] = run;
+      run += t;
+    }
+    smem[31] = run;  // 8 warps of kThreads use slots 0..7
+  }
+  __syncthreads();
+  *total = smem[31];
+  return smem[warp] + x - v;
+}
+
+// Payload header helpers (little-endian u32 words at the start of a payload).
+__device__ inline void put_u32(void* payload, int word, uint32_t v) {
+  static_cast<uint32_t*>(payload)[word] = v;
+}
+__device__ inline uint32_t get_u32(const void* payload, int word) {
+  return static_cast<const uint32_t*>(payload)[word];
+}
+
+// Payload tag, as csrc/cpu/common.h defines it.
+HVDC_HD uint32_t payload_tag(CodecId c, DType d) {
+  return 0x48430000u | (static_cast<uint32_t>(c) << 8) | static_cast<uint32_t>(d);
+}
+
+// Per-codec launchers (one file each); dispatch.cu checks arguments before calling them.
+namespace cast {
+void encode(CodecId c, DType d, const void* x, int64_t n, const Params& p, void* payload, cudaStream_t s);
+void decode(CodecId c, DType d, const void* payload, int64_t n, void* out, double alpha, bool acc,
+            cudaStream_t s);
+void aggregate(CodecId c, DType d, const void* payloads, int64_t ranks, int64_t stride, int64_t n,
+               void* out, double alpha, cudaStream_t s);
+void add_into(DType d, const void* x, void* e, int64_t n, cudaStream_t s);
+void nesterov(DType d, void* x, void* m, int64_t n, double mu, cudaStream_t s);
+}  // namespace cast
+namespace randomk {
+void encode(DType d, const void* x, int64_t n, const Params& p, void* payload, cudaStream_t s);
+void decode(DType d, const void* payload, int64_t n, const Params& p, void* out, double alpha,
+            bool acc, cudaStream_t s);
+}  // namespace randomk
+namespace sign {
+void encode(CodecId c, DType d, const void* x, int64_t n, const Params& p, void* payload, cudaStream_t s);
+void decode(DType d, const void* payload, int64_t n, void* out, double alpha, bool acc, cudaStream_t s);
+void aggregate(CodecId c, DType d, const void* payloads, int64_t ranks, int64_t stride, int64_t n,
+               void* out, double alpha, cudaStream_t s);
+void ef_encode(CodecId c, DType d, const void* x, void* e, float* carry, int64_t n,
+               const Params& p, void* payload, cudaStream_t s);
+void ef_settle(DType d, void* e, float* carry, int64_t n, cudaStream_t s);
+}  // namespace sign
+namespace minmax8 {
+void encode(DType d, const void* x, int64_t n, const Params& p, void* payload, cudaStream_t s);
+void aggregate(DType d, const void* payloads, int64_t ranks, int64_t stride, int64_t n,
+               const Params& p, void* out, double alpha, bool acc, cudaStream_t s);
+}  // namespace minmax8
+namespace quant {
+void dither_encode(DType d, const void* x, int64_t n, const Params& p, void* payload, cudaStream_t s);
+void dither_aggregate(DType d, const void* payloads, int64_t ranks, int64_t stride, int64_t n,
+                      const Params& p, void* out, double alpha, bool acc, cudaStream_t s);
+void natural_encode(DType d, const void* x, int64_t n, const Params& p, void* payload, cudaStream_t s);
+void natural_aggregate(DType d, const void* payloads, int64_t ranks, int64_t stride, int64_t n,
+                       void* out, double alpha, bool acc, cudaStream_t s);
+}  // namespace quant
+namespace sparse {
+void topk_encode(DType d, const void* x, int64_t n, const Params& p, void* payload, cudaStream_t s);
+void topk_aggregate(DType d, const void* payloads, int64_t ranks, int64_t stride, int64_t n,
+                    const Params& p, void* out, double alpha, bool acc, cudaStream_t s);
+void threshold_encode(DType d, const void* x, int64_t n, const Params& p, void* payload, cudaStream_t s);
+// offsets: host array of each rank's payload offset (from the walked headers).
+void threshold_aggregate(DType d, const void* payloads, const int64_t* offsets, int64_t ranks,
+                         int64_t n, void* out, double alpha, bool acc, cudaStream_t s);
+void dgc_encode(DType d, const void* x, void* u, void* v, int64_t n, const Params& p, void* payload,
+                cudaStream_t s);
+void dgc_aggregate(DType d, const void* payloads, int64_t ranks, int64_t stride, int64_t n,
+                   const Params& p, void* out, double alpha, bool acc, cudaStream_t s);
+}  // namespace sparse
+
+}  // namespace gpu
+}  // namespace hvdc
