@@ -13,7 +13,7 @@ PYTEST    := -m pytest -q -p no:cacheprovider --color=no --timeout=300
 # No hang may outlive this: a stuck collective fails the run instead of stalling CI.
 LIMIT     := timeout -k 20 1200
 
-.PHONY: setup test test-unit test-parallel test-bench demo bench bench-quick clean
+.PHONY: setup test test-unit test-parallel test-bench test-gpu demo bench bench-quick bench-gpu clean
 
 setup:
 	bash ci/setup.sh
@@ -41,6 +41,16 @@ test-unit: $(STAMP)
 # The benchmark scripts end to end on tiny sizes (the network one needs root and namespaces).
 test-bench: $(STAMP)
 	$(LIMIT) $(PY) $(PYTEST) tests/bench
+
+# On a machine with a GPU and a CUDA build of torch (setup builds the CUDA kernels there): the
+# CUDA kernels against the CPU ones, and their throughput. Not part of `make test`, which CI
+# runs on CPU-only machines (where tests/unit compiles every .cu instead).
+test-gpu: $(STAMP)
+	$(PY) -c "import torch, sys; from hvd_compress.torch import _C; sys.exit(0 if torch.cuda.is_available() and _C.built_with_cuda() else 'test-gpu needs a CUDA device and the CUDA build')"
+	$(LIMIT) $(PY) $(PYTEST) tests/gpu
+
+bench-gpu: $(STAMP)
+	$(PY) bench/codecs.py --device cuda
 
 demo: $(STAMP)
 	$(PY) examples/demo.py

@@ -4,12 +4,15 @@ in the same run on the same gradient.
     python bench/codecs.py                 # 100 MB fp32 gradient, 1 thread, median of 7 runs
     python bench/codecs.py --quick         # 10 MB, median of 3
     python bench/codecs.py --mb 10 --runs 3
+    python bench/codecs.py --device cuda   # the CUDA kernels (needs a GPU and the CUDA build)
 
-Results go to docs/benchmarks/codecs.{json,csv,png} (--out to change the folder).
+Results go to docs/benchmarks/codecs.{json,csv,png}, codecs_cuda.* for --device cuda (--out to
+change the folder).
 
 GB/s = fp32 input bytes / time (for decompress too, so the columns compare). The header line
 measures this machine's memory: a read-only pass (x.sum()) bounds any compressor, a copy bounds
-anything that writes a gradient-sized output.
+anything that writes a gradient-sized output. On CUDA, times come from CUDA events around each
+call, and the table adds each kernel's GB/s as a share of the device-to-device copy's.
 """
 import argparse
 import os
@@ -28,8 +31,18 @@ import results  # noqa: E402
 
 
 def median_seconds(fn, runs):
-    fn()  # warm-up: page faults, caches
+    fn()  # warm-up: page faults, caches, lazy CUDA module loading
     times = []
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+        for _ in range(runs):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        return statistics.median(times)
     for _ in range(runs):
         t0 = time.perf_counter()
         fn()
@@ -44,8 +57,8 @@ def ours_powersgd(spec, x):
     rank = hc.parse_spec(spec).param_dict["rank"]
     m = x.view(ROWS_OF_MATRIX, -1)
     e = torch.zeros_like(m)
-    qt = torch.randn(1, rank, m.shape[1])
-    p = torch.empty(1, m.shape[0], rank)
+    qt = torch.randn(1, rank, m.shape[1], device=x.device)
+    p = torch.empty(1, m.shape[0], rank, device=x.device)
     q = torch.empty_like(qt)
     out = torch.empty_like(m)
 
@@ -67,7 +80,7 @@ def ours(spec, x):
     payload = _C.new_payload(kid, x, p)
     out = torch.empty_like(x)
     e = torch.zeros_like(x)
-    carry = torch.zeros(_C.ef_carry_size(kid))
+    carry = torch.zeros(_C.ef_carry_size(kid), device=x.device)
     if cfg.info.state_slots:
         u, v = torch.zeros_like(x), torch.zeros_like(x)
         compress = lambda: _C.encode_with_state(kid, x, [u, v], p, payload)  # noqa: E731
@@ -110,12 +123,12 @@ def torch_ops(name, x, k):
         c()
         return c, lambda: torch.zeros_like(x).scatter_(0, state["i"].long(), state["v"])
     if name == "randomk":  # the same stratified draw, from torch ops
-        lo = torch.arange(k) * n // k
-        size = (torch.arange(1, k + 1) * n // k) - lo
-        g = torch.Generator().manual_seed(0)
+        lo = torch.arange(k, device=x.device) * n // k
+        size = (torch.arange(1, k + 1, device=x.device) * n // k) - lo
+        g = torch.Generator(device=x.device).manual_seed(0)
 
         def c():
-            state["i"] = lo + (torch.rand(k, generator=g) * size).long()
+            state["i"] = lo + (torch.rand(k, generator=g, device=x.device) * size).long()
             state["v"] = x[state["i"]]
         c()
         return c, lambda: torch.zeros_like(x).scatter_(0, state["i"], state["v"])
@@ -178,7 +191,7 @@ def torch_ops(name, x, k):
     if name == "powersgd":  # the same step from torch.matmul and torch.linalg.qr
         m = x.view(ROWS_OF_MATRIX, -1)
         e = torch.zeros_like(m)
-        qt = torch.randn(2, m.shape[1])
+        qt = torch.randn(2, m.shape[1], device=x.device)
 
         def cp():
             mm = m + e
@@ -191,6 +204,7 @@ def torch_ops(name, x, k):
     raise KeyError(name)
 
 
+DEVICE = torch.device("cpu")
 ROWS_OF_MATRIX = 5000  # PowerSGD views the gradient as a 5000-row matrix
 THRESHOLD = 2.576  # keeps ~1% of a standard normal gradient
 ROWS = [("fp16", "fp16"), ("bf16", "bf16"), ("onebit", "onebit"), ("signsgd", "signsgd"),
@@ -206,13 +220,20 @@ def main():
     ap.add_argument("--mb", type=float, default=None, help="fp32 gradient size in MB (100)")
     ap.add_argument("--runs", type=int, default=None, help="timed runs per cell (7)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--out", default=results.DEFAULT_OUT, help="folder for json/csv/png")
     args = ap.parse_args()
+    global DEVICE
+    DEVICE = torch.device(args.device)
+    if DEVICE.type == "cuda" and not (torch.cuda.is_available() and _C.built_with_cuda()):
+        sys.exit("--device cuda needs a CUDA device and hvd_compress built with CUDA "
+                 f"(torch.cuda.is_available()={torch.cuda.is_available()}, "
+                 f"built_with_cuda={_C.built_with_cuda()})")
     args.mb = args.mb or (10.0 if args.quick else 100.0)
     args.runs = args.runs or (3 if args.quick else 7)
     torch.set_num_threads(args.threads)
     n = int(args.mb * 1e6 / 4)
-    x = torch.randn(n, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(n, generator=torch.Generator().manual_seed(0)).to(DEVICE)
     gb = n * 4 / 1e9
     k = hc.get_codec("topk").kept({"k": 0.01}, n)
     n = n // ROWS_OF_MATRIX * ROWS_OF_MATRIX
@@ -221,12 +242,13 @@ def main():
     y = torch.empty_like(x)
     copy_s = median_seconds(lambda: y.copy_(x), args.runs)
     read_s = median_seconds(lambda: x.sum(), args.runs)
-    print(f"{n:,} fp32 elements ({n * 4 / 1e6:.0f} MB), {args.threads} thread(s), "
-          f"median of {args.runs}; SIMD path: {_C.cpu_isa()}")
-    print(f"memory on this machine: read-only x.sum() {gb / read_s:.1f} GB/s, "
-          f"copy y.copy_(x) {gb / copy_s:.1f} GB/s")
+    cuda = DEVICE.type == "cuda"
+    where = torch.cuda.get_device_name() if cuda else f"{args.threads} thread(s), SIMD path: {_C.cpu_isa()}"
+    print(f"{n:,} fp32 elements ({n * 4 / 1e6:.0f} MB), median of {args.runs}; {where}")
+    print(f"memory: read-only x.sum() {gb / read_s:.1f} GB/s, copy y.copy_(x) {gb / copy_s:.1f} GB/s")
     header = (f"| {'codec':26s} | {'wire bytes':>12s} | {'compress GB/s':>13s} | "
-              f"{'torch ops GB/s':>14s} | {'speedup':>7s} | {'decompress GB/s':>15s} | "
+              + (f"{'% of copy':>9s} | " if cuda else "")
+              + f"{'torch ops GB/s':>14s} | {'speedup':>7s} | {'decompress GB/s':>15s} | "
               f"{'torch ops GB/s':>14s} |")
     print(header)
     print("|" + "|".join("-" * (len(c)) for c in header.split("|")[1:-1]) + "|")
@@ -240,17 +262,19 @@ def main():
              "decompress_gbps": gb / median_seconds(d_ours, args.runs),
              "decompress_torch_gbps": gb / median_seconds(d_torch, args.runs)}
         rows.append(r)
-        print(f"| {spec:26s} | {wire:12,d} | {r['compress_gbps']:13.2f} | "
+        share = f"{100 * r['compress_gbps'] * copy_s / gb:8.0f}% | " if cuda else ""
+        print(f"| {spec:26s} | {wire:12,d} | {r['compress_gbps']:13.2f} | {share}"
               f"{r['compress_torch_gbps']:14.2f} | "
               f"{r['compress_gbps'] / r['compress_torch_gbps']:6.1f}x | "
               f"{r['decompress_gbps']:15.2f} | {r['decompress_torch_gbps']:14.2f} |", flush=True)
-    settings = {"elements": n, "threads": args.threads, "runs": args.runs,
+    settings = {"elements": n, "threads": args.threads, "runs": args.runs, "device": where,
                 "copy_gbps": gb / copy_s, "read_gbps": gb / read_s, "simd": _C.cpu_isa()}
-    results.write(args.out, "codecs", settings, rows)
-    plot(rows, settings, args.out)
+    name = "codecs_cuda" if cuda else "codecs"
+    results.write(args.out, name, settings, rows)
+    plot(rows, settings, args.out, name)
 
 
-def plot(rows, settings, out_dir):
+def plot(rows, settings, out_dir, name):
     plt = results.pyplot()
     fig, ax = plt.subplots(figsize=(11, 4.5))
     xs = range(len(rows))
@@ -263,10 +287,10 @@ def plot(rows, settings, out_dir):
     ax.set_xticklabels([r["codec"] for r in rows], rotation=45, ha="right", fontsize=8)
     ax.set_yscale("log")
     ax.set_ylabel("compress GB/s (fp32 input)")
-    ax.set_title(f"{settings['elements'] * 4 / 1e6:.0f} MB gradient, {settings['threads']} thread")
+    ax.set_title(f"{settings['elements'] * 4 / 1e6:.0f} MB gradient, {settings['device']}")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "codecs.png"), dpi=110)
+    fig.savefig(os.path.join(out_dir, f"{name}.png"), dpi=110)
 
 
 if __name__ == "__main__":

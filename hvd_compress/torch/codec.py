@@ -43,6 +43,7 @@ class Encoded:
     params: _C.Params
     shape: torch.Size
     dtype: torch.dtype
+    device: torch.device
 
 
 class TorchCodec:
@@ -70,7 +71,7 @@ class TorchCodec:
             _C.encode_with_state(info.kernel_id, x, [self._slot(name, s, x) for s in
                                                      info.state_slots], kp, payload)
         elif cfg.ef == "vanilla":
-            _C.ef_encode(info.kernel_id, x, self._slot(name, "ef", x), self._carry(name), kp,
+            _C.ef_encode(info.kernel_id, x, self._slot(name, "ef", x), self._carry(name, x), kp,
                          payload)
         else:
             _C.encode(info.kernel_id, x, kp, payload)
@@ -80,11 +81,13 @@ class TorchCodec:
         elif not info.linear:
             # [1, bytes]: ranks whose payload sizes differ fail Horovod's allgather shape check.
             payload = payload.view(torch.uint8).view(1, -1)
-        return Encoded(payload, kp, grad.shape, grad.dtype)
+        return Encoded(payload, kp, grad.shape, grad.dtype, grad.device)
 
-    def _carry(self, name: str) -> torch.Tensor:
+    def _carry(self, name: str, like: torch.Tensor) -> torch.Tensor:
         size = self.info.ef_carry
-        return self._slot(name, "ef_carry", torch.zeros(size)) if size else _NO_CARRY
+        if not size:
+            return _NO_CARRY
+        return self._slot(name, "ef_carry", torch.zeros(size, device=like.device))
 
     def settle(self) -> None:
         """Bring every lazily kept residual to its plain form (a no-op for the state's meaning);
@@ -94,7 +97,7 @@ class TorchCodec:
         for name in self.store.names():
             e = self.store.peek(name, "ef")
             if e is not None:
-                _C.ef_settle(self.info.kernel_id, e, self._carry(name))
+                _C.ef_settle(self.info.kernel_id, e, self._carry(name, e))
 
     def _slot(self, name: str, kind: str, like: torch.Tensor) -> torch.Tensor:
         if self.store is None:
@@ -122,7 +125,7 @@ class TorchCodec:
     @staticmethod
     def _out(enc: Encoded, out: torch.Tensor | None) -> torch.Tensor:
         if out is None or not out.is_contiguous():
-            return torch.empty(enc.shape, dtype=enc.dtype)
+            return torch.empty(enc.shape, dtype=enc.dtype, device=enc.device)
         return out
 
 

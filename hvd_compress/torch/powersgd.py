@@ -157,18 +157,20 @@ class _Batch:
         self.grads = [self.arrived[n][0] for n in self.names]
         self.steps = [self.arrived[n][1] for n in self.names]
         ftype = torch.float64 if self.grads[0].dtype == torch.float64 else torch.float32
+        dev = self.grads[0].device
         rows = self.grads[0].shape[0]
         cols = self.grads[0].numel() // rows
         b = len(self.names)
         self.qts = []
-        qt = torch.empty(b, st.rank, cols, dtype=ftype)
+        qt = torch.empty(b, st.rank, cols, dtype=ftype, device=dev)
         mats, res = [], []
         for i, (name, grad, step) in enumerate(zip(self.names, self.grads, self.steps)):
             m = grad.reshape(rows, cols)
             if not m.is_contiguous():
                 m = m.contiguous()
             first = not store.contains(name, "powersgd_qt")
-            mine = store.slot(name, "powersgd_qt", torch.empty(st.rank, cols, dtype=ftype))
+            mine = store.slot(name, "powersgd_qt",
+                              torch.empty(st.rank, cols, dtype=ftype, device=dev))
             if first or not st.warm_start:
                 mine.copy_(initial_q(st.seed, name, step, st.rank, cols, ftype))
             qt[i].copy_(mine)
@@ -176,7 +178,7 @@ class _Batch:
             mats.append(m)
             if st.error_feedback:
                 res.append(store.slot(name, "ef", m))
-        self.p = torch.empty(b, rows, st.rank, dtype=ftype)
+        self.p = torch.empty(b, rows, st.rank, dtype=ftype, device=dev)
         _C.powersgd_project(mats, res, st.error_feedback, qt, self.p)
         # With error feedback M = G + E was written into E, which step 6 turns into the residual.
         self.mats = res if st.error_feedback else mats
