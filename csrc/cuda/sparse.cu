@@ -42,8 +42,8 @@ template <class K> struct Targets {
 };
 
 template <class K>
-__global__ void select_init(Target<K>* st, Targets<K> init) {
-  if (threadIdx.x < kTargets) st[threadIdx.x] = init.t[threadIdx.x];
+__global__ void select_init(Target<K>* st, Targets<K> init, int ntargets) {
+  if (static_cast<int>(threadIdx.x) < ntargets) st[threadIdx.x] = init.t[threadIdx.x];
 }
 
 template <class K, class Keys>
@@ -97,7 +97,7 @@ void radix_select(Keys keys, int64_t m, const int64_t* ranks, int ntargets, Targ
                   unsigned long long* hist, cudaStream_t s) {
   Targets<K> init{};
   for (int t = 0; t < ntargets; ++t) init.t[t] = {K(0), K(0), ranks[t]};
-  select_init<K><<<1, 32, 0, s>>>(st, init);
+  select_init<K><<<1, 32, 0, s>>>(st, init, ntargets);
   check(cudaMemsetAsync(hist, 0, 256 * kTargets * sizeof(unsigned long long), s), "memset");
   for (int shift = 8 * static_cast<int>(sizeof(K)) - 8; shift >= 0; shift -= 8) {
     select_hist<K><<<blocks_for(m), kThreads, 0, s>>>(keys, m, st, ntargets, shift, hist);
