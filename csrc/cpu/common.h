@@ -1,4 +1,4 @@
-// Scalar element types shared by the CPU kernels; the per-element arithmetic itself is in
+// Pieces shared by the CPU kernels; element types and per-element arithmetic are in
 // hvdc/element.h, shared with the CUDA kernels.
 #pragma once
 
@@ -12,37 +12,7 @@
 
 namespace hvdc {
 
-struct half_t { uint16_t bits; };
-struct bf16_t { uint16_t bits; };
-
-// Accumulator type: float for 32-bit and narrower inputs, double for f64.
-template <class T> struct Acc { using type = float; };
-template <> struct Acc<double> { using type = double; };
-
-inline float to_acc(float v) { return v; }
-inline double to_acc(double v) { return v; }
-inline float to_acc(half_t v) { return f16_bits_to_f32(v.bits); }
-inline float to_acc(bf16_t v) { return bf16_bits_to_f32(v.bits); }
-
-template <class T> T from_acc(typename Acc<T>::type v);
-template <> inline float from_acc<float>(float v) { return v; }
-template <> inline double from_acc<double>(double v) { return v; }
-template <> inline half_t from_acc<half_t>(float v) { return half_t{f32_to_f16_bits(v)}; }
-template <> inline bf16_t from_acc<bf16_t>(float v) { return bf16_t{f32_to_bf16_bits(v)}; }
-
 inline int64_t dtype_size(DType d) { return (d == kF32) ? 4 : (d == kF64) ? 8 : 2; }
-
-// Calls fn with a null pointer of the storage type of `dtype`.
-template <class F> auto dispatch_dtype(DType dtype, F&& fn) {
-  switch (dtype) {
-    case kF32: return fn(static_cast<float*>(nullptr));
-    case kF64: return fn(static_cast<double*>(nullptr));
-    case kF16: return fn(static_cast<half_t*>(nullptr));
-    case kBF16: return fn(static_cast<bf16_t*>(nullptr));
-  }
-  throw KernelError("unsupported gradient dtype code " + std::to_string(static_cast<int>(dtype)) +
-                    " (valid: float32, float16, bfloat16, float64)");
-}
 
 // Payload header of the allgather codecs: lets a receiver refuse a payload that was made by a
 // different codec or dtype (ranks configured differently) instead of decoding garbage.

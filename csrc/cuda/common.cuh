@@ -1,5 +1,5 @@
-// Shared pieces of the CUDA kernels: element types, launch shapes, deterministic reductions and
-// stream-ordered scratch memory.
+// Shared pieces of the CUDA kernels: launch shapes, deterministic reductions and stream-ordered
+// scratch memory (element types and arithmetic are in hvdc/element.h).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -15,37 +15,9 @@
 namespace hvdc {
 namespace gpu {
 
-struct half_t { uint16_t bits; };
-struct bf16_t { uint16_t bits; };
-
-template <class T> struct Acc { using type = float; };
-template <> struct Acc<double> { using type = double; };
-
-HVDC_HD float to_acc(float v) { return v; }
-HVDC_HD double to_acc(double v) { return v; }
-HVDC_HD float to_acc(half_t v) { return f16_bits_to_f32(v.bits); }
-HVDC_HD float to_acc(bf16_t v) { return bf16_bits_to_f32(v.bits); }
-
-template <class T> HVDC_HD T from_acc(typename Acc<T>::type v);
-template <> HVDC_HD float from_acc<float>(float v) { return v; }
-template <> HVDC_HD double from_acc<double>(double v) { return v; }
-template <> HVDC_HD half_t from_acc<half_t>(float v) { return half_t{f32_to_f16_bits(v)}; }
-template <> HVDC_HD bf16_t from_acc<bf16_t>(float v) { return bf16_t{f32_to_bf16_bits(v)}; }
-
 // The value as a T-typed tensor stores it.
 template <class T> HVDC_HD typename Acc<T>::type round_to(typename Acc<T>::type v) {
   return to_acc(from_acc<T>(v));
-}
-
-template <class F> auto dispatch_dtype(DType dtype, F&& fn) {
-  switch (dtype) {
-    case kF32: return fn(static_cast<float*>(nullptr));
-    case kF64: return fn(static_cast<double*>(nullptr));
-    case kF16: return fn(static_cast<half_t*>(nullptr));
-    case kBF16: return fn(static_cast<bf16_t*>(nullptr));
-  }
-  throw KernelError("unsupported gradient dtype code " + std::to_string(static_cast<int>(dtype)) +
-                    " (valid: float32, float16, bfloat16, float64)");
 }
 
 inline cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }

@@ -7,6 +7,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
+
+#include "hvdc/kernels.h"
 
 #if defined(__CUDACC__)
 #define HVDC_HD __host__ __device__ __forceinline__
@@ -89,6 +92,37 @@ HVDC_HD float f64_to_f32_round_odd(double d) {
   uint32_t b = f32_bits(f);
   if (fabs(static_cast<double>(f)) > fabs(d)) b -= 1;  // step toward zero
   return bits_f32(b | 1u);
+}
+
+// 16-bit storage types, and the type each element type is accumulated in: float for 32-bit and
+// narrower, double for float64.
+struct half_t { uint16_t bits; };
+struct bf16_t { uint16_t bits; };
+
+template <class T> struct Acc { using type = float; };
+template <> struct Acc<double> { using type = double; };
+
+HVDC_HD float to_acc(float v) { return v; }
+HVDC_HD double to_acc(double v) { return v; }
+HVDC_HD float to_acc(half_t v) { return f16_bits_to_f32(v.bits); }
+HVDC_HD float to_acc(bf16_t v) { return bf16_bits_to_f32(v.bits); }
+
+template <class T> HVDC_HD T from_acc(typename Acc<T>::type v);
+template <> HVDC_HD float from_acc<float>(float v) { return v; }
+template <> HVDC_HD double from_acc<double>(double v) { return v; }
+template <> HVDC_HD half_t from_acc<half_t>(float v) { return half_t{f32_to_f16_bits(v)}; }
+template <> HVDC_HD bf16_t from_acc<bf16_t>(float v) { return bf16_t{f32_to_bf16_bits(v)}; }
+
+// Calls fn with a null pointer of the storage type of `dtype` (host code).
+template <class F> auto dispatch_dtype(DType dtype, F&& fn) {
+  switch (dtype) {
+    case kF32: return fn(static_cast<float*>(nullptr));
+    case kF64: return fn(static_cast<double*>(nullptr));
+    case kF16: return fn(static_cast<half_t*>(nullptr));
+    case kBF16: return fn(static_cast<bf16_t*>(nullptr));
+  }
+  throw KernelError("unsupported gradient dtype code " + std::to_string(static_cast<int>(dtype)) +
+                    " (valid: float32, float16, bfloat16, float64)");
 }
 
 // Uniform in [0, 1) on a 2^-16 grid, from element index i and the step's seed. One hash gives
