@@ -14,12 +14,6 @@ namespace hvdc {
 
 inline int64_t dtype_size(DType d) { return (d == kF32) ? 4 : (d == kF64) ? 8 : 2; }
 
-// Payload header of the allgather codecs: lets a receiver refuse a payload that was made by a
-// different codec or dtype (ranks configured differently) instead of decoding garbage.
-constexpr uint32_t kTagMagic = 0x48430000u;  // "HC"
-inline uint32_t payload_tag(CodecId c, DType d) {
-  return kTagMagic | (static_cast<uint32_t>(c) << 8) | static_cast<uint32_t>(d);
-}
 void check_tag(const void* payload, CodecId c, DType d, int64_t rank);
 
 bool cpu_has_avx2_f16c();

@@ -123,10 +123,6 @@ __device__ inline uint32_t get_u32(const void* payload, int word) {
   return static_cast<const uint32_t*>(payload)[word];
 }
 
-// Payload tag, as csrc/cpu/common.h defines it.
-HVDC_HD uint32_t payload_tag(CodecId c, DType d) {
-  return 0x48430000u | (static_cast<uint32_t>(c) << 8) | static_cast<uint32_t>(d);
-}
 
 // Per-codec launchers (one file each); dispatch.cu checks arguments before calling them.
 namespace cast {

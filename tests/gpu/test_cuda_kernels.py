@@ -18,9 +18,11 @@ from helpers import params, random_grad
 from hvd_compress.torch import _C
 
 if not torch.cuda.is_available():
-    pytest.skip("no CUDA device", allow_module_level=True)
+    pytest.skip("no CUDA device: make test-gpu runs these on a GPU machine; CPU-only CI "
+                "compiles the kernels in tests/unit/test_cuda_compile.py", allow_module_level=True)
 if not _C.built_with_cuda():
-    pytest.skip("the extension was built without CUDA (CPU torch or no nvcc)", allow_module_level=True)
+    pytest.skip("the extension was built without CUDA (CPU torch or no nvcc); make test-gpu "
+                "refuses to run then", allow_module_level=True)
 
 DEV = torch.device("cuda")
 SIZES = [0, 1, 31, 32, 33, 1_000_007]

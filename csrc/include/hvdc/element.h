@@ -125,6 +125,13 @@ template <class F> auto dispatch_dtype(DType dtype, F&& fn) {
                     " (valid: float32, float16, bfloat16, float64)");
 }
 
+// Payload header of the allgather codecs: lets a receiver refuse a payload that was made by a
+// different codec or dtype (ranks configured differently) instead of decoding garbage.
+constexpr uint32_t kTagMagic = 0x48430000u;  // "HC"
+HVDC_HD uint32_t payload_tag(CodecId c, DType d) {
+  return kTagMagic | (static_cast<uint32_t>(c) << 8) | static_cast<uint32_t>(d);
+}
+
 // Uniform in [0, 1) on a 2^-16 grid, from element index i and the step's seed. One hash gives
 // two draws: murmur3's 32-bit finaliser (full avalanche; two rounds left nearby seeds visibly
 // correlated) of key = (h * 0x9e3779b1 + low32(seed)) ^ high32(seed), h = (i / 16) * 8 + i % 8;
