@@ -58,6 +58,14 @@ class CodecInfo:
     min_dim: tensors with fewer dimensions travel uncompressed (DGC compresses weights only).
     replaces_momentum: the codec applies momentum itself; the optimizer's is turned off.
     frontends: where the codec runs.
+    strategies: the collective strategies (hvd_compress.collectives) its payloads can travel
+    by; `collective=auto` picks among them per tensor by the bytes each rank sends.
+    server_codec: what the owner of a chunk re-encodes its chunk's sum with under the compressed
+    allreduce (DGC's sum is sent as plain top-k: the owner has no momentum to correct); None:
+    the codec itself.
+    homomorphic_levels: for quantisers whose levels are evenly spaced, the number of level gaps
+    L (codes 0..L) their homomorphic variant uses, from the codec's parameters; None where the
+    codec has no such variant.
     rounds: collectives per step. 1: compress, one collective, decode. 2 (PowerSGD): the
     frontend runs the codec's own two-allreduce pipeline (kernel_id is then unused).
     prescale_average: with op=Average the payload is divided by the world size before the sum
@@ -87,7 +95,22 @@ class CodecInfo:
     min_dim: int = 0
     replaces_momentum: bool = False
     frontends: tuple[str, ...] = ("torch", "tensorflow")
+    strategies: tuple[str, ...] = ()
+    server_codec: str | None = None
+    homomorphic_levels: Callable[[dict], int | None] | None = None
     rounds: int = 1
+
+    def __post_init__(self):
+        if not self.strategies:  # the codec's own collective, and for non-linear codecs the
+            # compressed allreduce, whose owners decode, sum and encode again
+            default = (("allreduce",) if self.linear
+                       else ("allgather", "compressed_allreduce"))
+            object.__setattr__(self, "strategies", default)
+
+    def payload_bytes(self, itemsize: int, n: int, fields: dict) -> int:
+        """Bytes of one payload for n elements with these kernel fields, as the kernels'
+        payload_bytes computes them (variable-size codecs: the capacity)."""
+        return _PAYLOAD_BYTES[self.kernel_id](itemsize, n, fields)
 
     @property
     def linear(self) -> bool:
@@ -143,6 +166,31 @@ def code_bits(s: int) -> int:
     """Bits of one dithering code: values -s..s, stored offset by s."""
     return (2 * s).bit_length()
 
+def _round8(b: int) -> int:
+    return (b + 7) // 8 * 8
+
+
+def _dither_bytes(isz: int, n: int, f: dict) -> int:
+    return 16 + _round8((n + 7) // 8 * code_bits(f["s"]))
+
+
+# Payload sizes by kernel id, mirroring payload_bytes() in csrc/cpu (tests/unit compares them).
+_PAYLOAD_BYTES: dict[int, Callable[[int, int, dict], int]] = {
+    0: lambda isz, n, f: n * isz,
+    1: lambda isz, n, f: 2 * n,
+    2: lambda isz, n, f: 2 * n,
+    3: lambda isz, n, f: 8 + 8 * ((n + 63) // 64),
+    4: lambda isz, n, f: 8 + 8 * ((n + 63) // 64),
+    5: lambda isz, n, f: 8 + 8 * ((n + 63) // 64),
+    6: lambda isz, n, f: 8 + _round8(4 * f["k"]) + f["k"] * isz,
+    7: lambda isz, n, f: f["k"] * isz,
+    8: lambda isz, n, f: 8 + 8 * ((n + f["chunk"] - 1) // f["chunk"]) + _round8(n),
+    9: _dither_bytes,
+    10: lambda isz, n, f: 8 + _round8(n),
+    11: lambda isz, n, f: 8 + _round8(4 * n) + n * isz,
+    12: lambda isz, n, f: 16 + _round8(4 * f["k"]) + f["k"] * isz,
+}
+
 _REGISTRY: dict[str, CodecInfo] = {}
 
 
@@ -177,7 +225,8 @@ register(CodecInfo(
     name="fp16", kernel_id=1, collective="allreduce", aggregation="mean", params=(),
     wire="float16[n], pre-divided by the world size (overflow guard)",
     doc="cast to IEEE half precision, round to nearest even",
-    bits_per_element=lambda isz: 16.0, prescale_average=True, wire_dtype="float16"))
+    bits_per_element=lambda isz: 16.0, prescale_average=True, wire_dtype="float16",
+    strategies=("allreduce", "compressed_allreduce")))
 register(CodecInfo(
     name="bf16", kernel_id=2, collective="allgather", aggregation="mean", params=(),
     wire="bfloat16[n]", doc="cast to bfloat16, round to nearest even",
@@ -287,6 +336,7 @@ register(CodecInfo(
         "warm-up; weights only (dim > 1)",
     bits_per_element=lambda isz: 32 + 8 * isz, builtin_ef=True,
     state_slots=("dgc_velocity", "dgc_accumulator"), min_dim=2, replaces_momentum=True,
+    server_codec="topk",
     frontends=("torch",),
     rejects=(("momentum=nesterov", "DGC corrects momentum itself (momentum_factor); a second, "
               "worker-side momentum would apply it twice"),)))

@@ -16,10 +16,13 @@ from typing import Any, Mapping
 from .registry import CodecInfo, codecs, get_codec
 
 EF_CHOICES = ("none", "vanilla")
+# auto: per tensor, the strategy that moves the fewest bytes; allreduce: the codec's allreduce
+# family (Horovod's allreduce for linear codecs, else the compressed or homomorphic allreduce).
+COLLECTIVE_CHOICES = ("auto", "allgather", "allreduce", "homomorphic")
 MOMENTUM_CHOICES = ("none", "nesterov")
 DEFAULT_MU = 0.9
 # Keys that decorate any codec rather than parametrise one.
-DECORATOR_KEYS = ("ef", "momentum", "mu", "seed")
+DECORATOR_KEYS = ("ef", "momentum", "mu", "seed", "collective")
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,7 @@ class CompressionConfig:
     momentum: str = "none"
     mu: float = DEFAULT_MU
     seed: int = 0
+    collective: str = "auto"
 
     @property
     def info(self) -> CodecInfo:
@@ -56,6 +60,8 @@ class CompressionConfig:
         if self.momentum != "none":
             items.append(f"mu={_fmt(self.mu)}")
         items.append(f"seed={self.seed}")
+        if self.collective != "auto":  # absent when default: specs saved before it still match
+            items.append(f"collective={self.collective}")
         return ",".join(items)
 
     def fingerprint(self) -> int:
@@ -71,6 +77,8 @@ class CompressionConfig:
             items += [f"momentum={self.momentum}", f"mu={_fmt(self.mu)}"]
         if self.seed:
             items.append(f"seed={self.seed}")
+        if self.collective != "auto":
+            items.append(f"collective={self.collective}")
         return ",".join(items)
 
 
@@ -179,6 +187,9 @@ def parse_spec(spec: Any) -> CompressionConfig:
     if not 0 <= seed < 2**63:
         raise ValueError(f"seed must be in [0, 2^63), got {seed}")
 
+    collective = _coerce("collective", str, items.pop("collective", "auto"))
+    _check_collective(info, collective)
+
     params = []
     for p in info.params:
         if p.name in items:
@@ -194,7 +205,18 @@ def parse_spec(spec: Any) -> CompressionConfig:
         valid = [p.describe() for p in info.params] + list(DECORATOR_KEYS)
         raise ValueError(f"codec {info.name!r} has no parameter {bad!r}; valid: {', '.join(valid)}")
     return CompressionConfig(codec=info.name, params=tuple(params), ef=ef, momentum=momentum,
-                             mu=mu, seed=seed)
+                             mu=mu, seed=seed, collective=collective)
+
+
+def _check_collective(info: CodecInfo, collective: str) -> None:
+    if collective not in COLLECTIVE_CHOICES:
+        raise ValueError(f"collective={collective!r} is not valid; valid: "
+                         f"{', '.join(COLLECTIVE_CHOICES)}")
+    from .collectives import family
+    if collective != "auto" and not family(info, collective):
+        valid = ["auto"] + [c for c in COLLECTIVE_CHOICES[1:] if family(info, c)]
+        raise ValueError(f"{info.name} cannot travel by collective={collective}; valid for "
+                         f"{info.name}: {', '.join(valid)}")
 
 
 def _check_rejects(info: CodecInfo, params: dict, ef: str, momentum: str) -> None:

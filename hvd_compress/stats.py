@@ -8,9 +8,11 @@ from dataclasses import dataclass
 class TensorStats:
     codec: str
     raw_bytes: int = 0    # gradient bytes in the last step
-    sent_bytes: int = 0   # bytes this rank put on the wire in the last step
+    sent_bytes: int = 0   # bytes of this rank's own payloads in the last step
     total_raw: int = 0
     total_sent: int = 0
+    collective: str = ""  # the strategy the tensor travelled by (hvd_compress.collectives)
+    wire_bytes: float = 0.0  # bytes this rank sent for it in the last step, by the cost model
 
 
 class CompressionStats:
@@ -19,16 +21,21 @@ class CompressionStats:
         self.steps = 0
         self._step_raw = 0
         self._step_sent = 0
+        self._step_wire = 0.0
+        self.last_step_wire = 0.0  # bytes this rank sent in the last step, by the cost model
         self.last_step_raw = 0
         self.last_step_sent = 0
         self.total_raw = 0
         self.total_sent = 0
 
-    def record(self, name: str, codec: str, raw_bytes: int, sent_bytes: int) -> None:
+    def record(self, name: str, codec: str, raw_bytes: int, sent_bytes: int,
+               collective: str = "", wire_bytes: float = 0.0) -> None:
         t = self.tensors.get(name)
         if t is None:
             t = self.tensors[name] = TensorStats(codec)
         t.codec = codec
+        t.collective, t.wire_bytes = collective, wire_bytes
+        self._step_wire += wire_bytes
         t.raw_bytes, t.sent_bytes = raw_bytes, sent_bytes
         t.total_raw += raw_bytes
         t.total_sent += sent_bytes
@@ -38,6 +45,7 @@ class CompressionStats:
     def end_step(self) -> None:
         self.steps += 1
         self.last_step_raw, self.last_step_sent = self._step_raw, self._step_sent
+        self.last_step_wire, self._step_wire = self._step_wire, 0.0
         self.total_raw += self._step_raw
         self.total_sent += self._step_sent
         self._step_raw = self._step_sent = 0
@@ -49,5 +57,6 @@ class CompressionStats:
 
     def summary(self) -> dict:
         return {"steps": self.steps, "last_step_raw_bytes": self.last_step_raw,
-                "last_step_sent_bytes": self.last_step_sent, "total_raw_bytes": self.total_raw,
+                "last_step_sent_bytes": self.last_step_sent,
+                "last_step_wire_bytes": self.last_step_wire, "total_raw_bytes": self.total_raw,
                 "total_sent_bytes": self.total_sent, "ratio": self.ratio}

@@ -1,6 +1,7 @@
 """One codec bound to torch tensors: the per-parameter compress / reduce / decode steps that the
-optimizer and the stock-protocol compressors share. Everything numeric happens in the kernels
-of csrc/; this module only allocates tensors and picks kernel arguments from the registry.
+optimizer's reduction plans (hvd_compress.collectives, through the `Ops` methods below) and the
+stock-protocol compressors share. Everything numeric happens in the kernels of csrc/; this
+module only allocates tensors and picks kernel arguments from the registry.
 """
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..collectives import ALLREDUCE, Job, Part
+from ..registry import CodecInfo
 from ..seeds import derive_seed, seed_name
 from ..spec import CompressionConfig
 from ..state import StateStore
@@ -29,8 +32,12 @@ def check_gradient(t: torch.Tensor, what: str = "gradient") -> None:
 def kernel_params(cfg: CompressionConfig, n: int, *, seed: int = 0, prescale: float = 1.0,
                   step: int = 0) -> _C.Params:
     """Kernel arguments for one tensor of n elements (see CompressionConfig.kernel_fields)."""
+    return _params(cfg.kernel_fields(n, step), seed, prescale)
+
+
+def _params(fields: dict, seed: int = 0, prescale: float = 1.0) -> _C.Params:
     p = _C.Params()
-    for name, value in cfg.kernel_fields(n, step).items():
+    for name, value in fields.items():
         setattr(p, name, value)
     p.seed = seed
     p.prescale = prescale
@@ -127,6 +134,116 @@ class TorchCodec:
         if out is None or not out.is_contiguous():
             return torch.empty(enc.shape, dtype=enc.dtype, device=enc.device)
         return out
+
+
+    # ---- the reduction plans' operations (hvd_compress.collectives.Ops) -------------------------
+    def prepare(self, job: Job) -> torch.Tensor:
+        grad = job.extra["grad"]
+        check_gradient(grad)
+        x = grad if grad.is_contiguous() else grad.contiguous()
+        if self.config.momentum == "nesterov":
+            _C.nesterov(x, self._slot(job.name, "momentum", x), self.config.mu)
+        flat = x.view(-1)
+        # The reduced gradient is written over the gradient itself where that is one buffer.
+        job.extra["out"] = flat if x is grad else None
+        return flat
+
+    def encode_part(self, job: Job, x: torch.Tensor, part: Part, info: CodecInfo,
+                    state: str | None) -> torch.Tensor:
+        cfg, name, grad = self.config, job.name, job.extra["grad"]
+        kp = self._part_params(job, part, info)
+        payload = _C.new_payload(info.kernel_id, x, kp)
+        chunked = part.n != job.n
+        if state == "worker" and info.state_slots:  # the codec's own state stands in for EF
+            slots = [self._slot(name, s, grad).view(-1)[part.start:part.stop]
+                     for s in info.state_slots]
+            _C.encode_with_state(info.kernel_id, x, slots, kp, payload)
+        elif state == "worker" and cfg.ef == "vanilla":
+            e = self._slot(name, "ef", grad).view(-1)[part.start:part.stop]
+            carry = self._carry(name, grad)
+            _C.ef_encode(info.kernel_id, x, e, carry, kp, payload)
+            if chunked and carry.numel():  # one carry serves the whole tensor: settle per chunk
+                _C.ef_settle(info.kernel_id, e, carry)
+        elif state == "owner" and cfg.ef == "vanilla":
+            e = self.store.slot(name, f"owner_ef[{part.start}:{part.stop}]", x)
+            carry = torch.zeros(_C.ef_carry_size(info.kernel_id), device=x.device)
+            _C.ef_encode(info.kernel_id, x, e, carry, kp, payload)
+            if carry.numel():
+                _C.ef_settle(info.kernel_id, e, carry)
+        else:
+            _C.encode(info.kernel_id, x, kp, payload)
+        if info.variable_size:
+            payload = payload[:_C.encoded_bytes(info.kernel_id, payload, x, kp)]
+        if job.strategy != ALLREDUCE:
+            payload = payload.view(torch.uint8)
+        return payload
+
+    def _part_params(self, job: Job, part: Part, info: CodecInfo) -> _C.Params:
+        seed = derive_seed(self.config.seed, part.seed_key, job.step) if info.uses_seed else 0
+        return _params(part.field_dict, seed, job.extra.get("prescale", 1.0))
+
+    @staticmethod
+    def size(payload: torch.Tensor) -> int:
+        return payload.numel() * payload.element_size()
+
+    @staticmethod
+    def concat(tensors: list) -> torch.Tensor:
+        return torch.cat(tensors)
+
+    @staticmethod
+    def split(t: torch.Tensor, sizes: list[int]) -> list:
+        return list(torch.split(t.view(-1), sizes))
+
+    def _part_out(self, job: Job, part: Part) -> torch.Tensor:
+        out = job.extra.get("out")
+        if out is None:
+            out = job.extra["out"] = torch.empty(job.n, dtype=job.extra["grad"].dtype,
+                                                 device=job.extra["grad"].device)
+        return out[part.start:part.stop]
+
+    def reduce(self, job: Job, payloads: torch.Tensor, part: Part, info: CodecInfo, ranks: int,
+               alpha: float, out: torch.Tensor | None = None) -> torch.Tensor:
+        kp = self._part_params(job, part, info)
+        if out is None:
+            grad = job.extra["grad"]
+            out = torch.empty(part.n, dtype=grad.dtype, device=grad.device)
+        if info.variable_size:
+            _C.aggregate_concat(info.kernel_id, payloads.view(-1), ranks, out, kp, alpha)
+        else:
+            _C.aggregate(info.kernel_id, payloads.view(ranks, -1), out, kp, alpha)
+        return out
+
+    def reduce_into(self, job: Job, payloads: torch.Tensor, part: Part, info: CodecInfo,
+                    ranks: int, alpha: float) -> torch.Tensor:
+        return self.reduce(job, payloads, part, info, ranks, alpha, self._part_out(job, part))
+
+    def decode_part(self, job: Job, payload: torch.Tensor, part: Part, info: CodecInfo,
+                    alpha: float) -> torch.Tensor:
+        out = self._part_out(job, part)
+        kp = self._part_params(job, part, info)
+        if info.variable_size:
+            _C.aggregate_concat(info.kernel_id, payload, 1, out, kp, alpha)
+        else:
+            _C.decode(info.kernel_id, payload, out, kp, alpha, False)
+        return out
+
+    @staticmethod
+    def walk(job: Job, gathered: torch.Tensor, parts: list[Part], info: CodecInfo) -> list[int]:
+        """Sizes of variable-size payloads gathered back to back (threshold: [tag][count]...)."""
+        sizes, off = [], 0
+        for _ in parts:
+            count = int.from_bytes(bytes(gathered[off + 4:off + 8].tolist()), "little")
+            size = info.payload_bytes(job.itemsize, count, {})
+            sizes.append(size)
+            off += size
+        return sizes
+
+    def finish(self, job: Job, pieces: list) -> torch.Tensor:
+        grad = job.extra["grad"]
+        out = job.extra["out"]
+        if out.data_ptr() != grad.data_ptr() or not grad.is_contiguous():
+            grad.copy_(out.view(grad.shape))
+        return grad
 
 
 class TorchAdapter:

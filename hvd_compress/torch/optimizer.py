@@ -9,10 +9,12 @@ in Horovod. Only the per-parameter reduction is ours:
     1. compensate: Nesterov momentum (m = mu*m + g; p = mu*m + g) and/or error feedback
        (p = p + e), state kept per parameter name in a StateStore;
     2. compress p in a kernel (EF: e = p - D(C(p)) in the same call);
-    3. issue the codec's collective asynchronously, overlapped with the rest of backward:
-       allreduce for linear codecs, allgather of the packed payloads for the others;
-    4. in synchronize(): decode (allreduce) or decode-and-reduce every rank's payload
-       (allgather) into the gradient.
+    3. issue the first collective of the strategy chosen for this tensor
+       (hvd_compress.collectives: allreduce, allgather or the compressed allreduce's alltoall)
+       asynchronously, overlapped with the rest of backward;
+    4. in synchronize(): every tensor's plan is moved on by one collective (the compressed
+       allreduce's owners reduce and issue their allgather) before any is waited on to the
+       end, then decoded into the gradient.
 
 Tensors under `min_compress_bytes` go through Horovod's plain allreduce, as do sparse gradients.
 """
@@ -25,6 +27,7 @@ import horovod.torch as hvd
 import torch
 from horovod.torch.optimizer import _DistributedOptimizer
 
+from .. import collectives
 from ..spec import CompressionConfig
 from ..state import StateStore
 from ..stats import CompressionStats
@@ -82,39 +85,36 @@ class _CompressedReduction:
             handle, ctx = _DistributedOptimizer._allreduce_grad_async(self, p)
             if not grad.is_sparse:
                 nbytes = grad.numel() * grad.element_size()
-                self._hvdc_stats.record(name, "none", nbytes, nbytes)
+                self._hvdc_stats.record(name, "none", nbytes, nbytes, collectives.ALLREDUCE,
+                                        _ring_allreduce_bytes(nbytes, self.process_set.size()))
             return handle, ctx
 
         if self._hvdc_powersgd is not None:
             return self._powersgd_grad_async(p, name, grad)
-        codec, info = self._hvdc_codec, self._hvdc_codec.info
-        prescale, alpha = info.average_factors(self.op == hvd.Average, self.process_set.size())
-        enc = codec.encode(name, grad, prescale=prescale)
-        if info.linear:
-            handle = hvd.allreduce_async_(enc.payload, name=name, op=hvd.Sum,
-                                          process_set=self.process_set)
-        else:
-            handle = hvd.allgather_async(enc.payload, name=name, process_set=self.process_set)
-        self._hvdc_stats.record(name, info.name, grad.numel() * grad.element_size(),
-                                enc.payload.numel() * enc.payload.element_size())
-
-        def finish():
-            reduced = hvd.synchronize(handle)
-            if info.linear:
-                return codec.decode(reduced, enc, alpha, out=grad)
-            return codec.aggregate(reduced, enc, alpha, out=grad)
-
-        return finish, None
+        ps = self.process_set
+        step = self._hvdc_store.next_step(name)
+        job = collectives.Job(name=name, n=grad.numel(), itemsize=grad.element_size(),
+                              config=self._hvdc_config, rank=ps.rank(), world=ps.size(),
+                              average=self.op == hvd.Average, opname=name, step=step,
+                              fields_step=step, extra={"grad": grad})
+        collectives.choose(job)
+        pending = PendingPlan(collectives.plan(job, self._hvdc_codec), ps)
+        self._hvdc_stats.record(name, job.info.name, grad.numel() * grad.element_size(),
+                                job.payload_bytes, job.strategy, job.wire_bytes)
+        return pending, None
 
     def _powersgd_grad_async(self, p, name, grad):
         step = self._hvdc_powersgd.compressed_step(name, grad)
         nbytes = grad.numel() * grad.element_size()
+        world = self.process_set.size()
         if step is None:
-            self._hvdc_stats.record(name, "none", nbytes, nbytes)
+            self._hvdc_stats.record(name, "none", nbytes, nbytes, collectives.ALLREDUCE,
+                                    _ring_allreduce_bytes(nbytes, world))
             return _DistributedOptimizer._allreduce_grad_async(self, p)
         member = self._hvdc_powersgd.start(name, grad, step)
-        factor_bytes = 8 if grad.dtype == torch.float64 else 4
-        self._hvdc_stats.record(name, "powersgd", nbytes, member.sent_elements * factor_bytes)
+        sent = member.sent_elements * (8 if grad.dtype == torch.float64 else 4)
+        self._hvdc_stats.record(name, "powersgd", nbytes, sent, collectives.ALLREDUCE,
+                                _ring_allreduce_bytes(sent, world))
         return member, None
 
     def synchronize(self):
@@ -144,6 +144,55 @@ class _CompressedReduction:
     @property
     def compression_config(self) -> CompressionConfig:
         return self._hvdc_config
+
+
+def _ring_allreduce_bytes(nbytes: int, world: int) -> float:
+    return 2.0 * (world - 1) / world * nbytes
+
+
+_OPS = {"sum": hvd.Sum, "max": hvd.Max}
+
+
+class PendingPlan:
+    """A reduction plan in flight: each collective it yields is issued asynchronously; the plan
+    resumes when its result is needed. Horovod's synchronize() calls the handle for the
+    reduced gradient; prepare() moves the plan on by one collective, so every tensor's second
+    collective is issued before any tensor is waited on to the end."""
+
+    def __init__(self, gen, process_set):
+        self._gen, self._ps = gen, process_set
+        self._done, self._result = False, None
+        self._issue(next(gen))
+
+    def _issue(self, request) -> None:
+        ps = self._ps
+        if isinstance(request, collectives.Allreduce):
+            handle = hvd.allreduce_async_(request.tensor, name=request.name,
+                                          op=_OPS[request.op], process_set=ps)
+        elif isinstance(request, collectives.Allgather):
+            t = request.tensor.view(1, -1) if request.rows else request.tensor
+            handle = hvd.allgather_async(t, name=request.name, process_set=ps)
+        else:
+            splits = torch.tensor(request.splits, dtype=torch.int32)
+            handle = hvd.alltoall_async(request.tensor, splits=splits, name=request.name,
+                                        process_set=ps)
+        self._handle = handle
+
+    def prepare(self) -> None:
+        if self._done:
+            return
+        out = hvd.synchronize(self._handle)
+        if isinstance(out, tuple):  # alltoall: (received, received splits)
+            out = out[0]
+        try:
+            self._issue(self._gen.send(out))
+        except StopIteration as end:
+            self._done, self._result = True, end.value
+
+    def __call__(self):
+        while not self._done:
+            self.prepare()
+        return self._result
 
 
 def _check_ranks_agree(config: CompressionConfig, min_bytes: int, process_set) -> None:

@@ -1,0 +1,319 @@
+"""Collective strategies: how one gradient's payloads travel between ranks and are reduced.
+
+A strategy is a named piece that any codec's registry entry can list in `strategies`. The spec's
+`collective=auto|allgather|allreduce|homomorphic` narrows the choice, and `choose()` picks per
+tensor the strategy under which this rank sends the fewest bytes (a tie keeps the earlier one in
+the entry: one compression and no second error, so at 2 ranks nothing changes).
+
+Each strategy is a plan written once for every frontend: a generator that calls the frontend's
+kernel operations (`ops`, see `Ops`) and yields the Horovod collectives it needs (`Allreduce`,
+`Alltoall`, `Allgather`), receiving each one's result. PyTorch issues each yielded collective
+asynchronously and resumes the plan only when the result is needed, so communication overlaps
+backward; TensorFlow resumes it at once (its graph runs Horovod's ops asynchronously itself).
+
+allreduce: Horovod's allreduce of the payload, for linear codecs (a sum of payloads is the
+    payload of the sum). Bytes per rank: 2(n-1)/n payloads.
+allgather: every rank's payload to every rank, decoded and reduced locally.
+    Bytes per rank: (n-1) payloads, growing with the rank count.
+compressed_allreduce (BytePS two-level compression, DeepSpeed 1-bit Adam, Bagua ByteGrad):
+    1. each rank encodes its gradient in n chunks (n = ranks of the process set), with its
+       worker residual (or the codec's own state) for each chunk;
+    2. alltoall sends chunk j to rank j;
+    3. rank j decodes the n payloads of its chunk and sums them in the kernels' accumulator
+       (float32, float64 for float64 gradients);
+    4. rank j encodes that sum again, with its own owner residual for the chunk when error
+       feedback is on (BytePS's server-side EF; DeepSpeed's server error), and allgather shares
+       the encoded chunks;
+    5. every rank decodes all chunks into the gradient, so all ranks hold identical results.
+    Bytes per rank: about 2(n-1)/n payloads, flat as ranks grow.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Generator, Protocol
+
+from .registry import CodecInfo, get_codec
+from .seeds import seed_name
+from .spec import CompressionConfig
+
+ALLREDUCE = "allreduce"
+ALLGATHER = "allgather"
+COMPRESSED_ALLREDUCE = "compressed_allreduce"
+HOMOMORPHIC = "homomorphic"
+
+# Which strategies each value of the spec's `collective` admits.
+_FAMILIES = {"allgather": (ALLGATHER,),
+             "allreduce": (ALLREDUCE, COMPRESSED_ALLREDUCE, HOMOMORPHIC),
+             "homomorphic": (HOMOMORPHIC,)}
+
+# Chunk boundaries fall on multiples of this many elements, so no 64-bit word of packed sign
+# bits or codes straddles two owners and no chunk is split finer than a cache line of floats.
+CHUNK_ALIGN = 64
+
+
+def family(info: CodecInfo, collective: str) -> tuple[str, ...]:
+    """The codec's strategies that `collective` admits (all of them for auto)."""
+    if collective == "auto":
+        return info.strategies
+    return tuple(s for s in info.strategies if s in _FAMILIES[collective])
+
+
+# ---- collectives a plan asks for ------------------------------------------------------------
+@dataclass
+class Allreduce:
+    tensor: Any
+    name: str
+    op: str = "sum"  # or "max"
+
+
+@dataclass
+class Allgather:
+    """1-D payloads, concatenated in rank order. `rows`: every rank's payload has this rank's
+    size, so the frontend sends it as one row and Horovod refuses ranks whose sizes differ."""
+    tensor: Any
+    name: str
+    rows: bool = False
+
+
+@dataclass
+class Alltoall:
+    """1-D bytes; splits[j] of them go to rank j. The result is what every rank sent this one,
+    concatenated in rank order."""
+    tensor: Any
+    splits: list[int]
+    name: str
+
+
+# ---- one gradient's reduction -----------------------------------------------------------------
+@dataclass(frozen=True)
+class Part:
+    """Elements [start, stop) of the flattened gradient, encoded as one tensor."""
+    start: int
+    stop: int
+    fields: tuple  # kernel fields as sorted (name, value) pairs
+    seed_key: str  # the name seeds are derived from (seeds.derive_seed / seed_base)
+
+    @property
+    def n(self) -> int:
+        return self.stop - self.start
+
+    @property
+    def field_dict(self) -> dict:
+        return dict(self.fields)
+
+
+@dataclass
+class Job:
+    """What a plan knows of one gradient in one step. `step` is the frontend's step counter
+    (an int, or a graph tensor) for seeds; `fields_step` the Python int that step-dependent
+    kernel fields (DGC's warm-up) are computed from."""
+    name: str
+    n: int
+    itemsize: int
+    config: CompressionConfig
+    rank: int
+    world: int
+    average: bool
+    opname: str
+    step: Any = 0
+    fields_step: int = 0
+    strategy: str = ALLGATHER
+    wire_bytes: float = 0.0  # this rank's bytes on the wire by the cost model, for stats
+    payload_bytes: int = 0   # bytes of this rank's own payloads (all chunks), for stats
+    extra: dict = field(default_factory=dict)  # the frontend's own per-job data
+
+    @property
+    def info(self) -> CodecInfo:
+        return self.config.info
+
+
+class Ops(Protocol):
+    """What a frontend provides to the plans (hvd_compress.torch.plan, .tensorflow.plan)."""
+
+    def prepare(self, job: Job) -> Any: ...
+    """The gradient as a 1-D contiguous tensor, worker-side momentum applied."""
+
+    def encode_part(self, job: Job, x: Any, part: Part, info: CodecInfo,
+                    state: str | None) -> Any: ...
+    """The payload of x (the part's elements) as a 1-D tensor: the wire dtype for linear codecs,
+    else bytes. state: "worker" uses the tensor's residual or codec state sliced to the part,
+    "owner" the owner residual of the part, None none."""
+
+    def size(self, payload: Any) -> int: ...
+    def concat(self, tensors: list) -> Any: ...
+    def split(self, t: Any, sizes: list[int]) -> list: ...
+
+    def reduce(self, job: Job, payloads: Any, part: Part, info: CodecInfo, ranks: int,
+               alpha: float) -> Any: ...
+    """alpha * the reduction (aggregation) of `ranks` payloads of the part laid back to back."""
+
+    def reduce_into(self, job: Job, payloads: Any, part: Part, info: CodecInfo, ranks: int,
+                    alpha: float) -> Any: ...
+    """The same, written into the output where the frontend can."""
+
+    def decode_part(self, job: Job, payload: Any, part: Part, info: CodecInfo,
+                    alpha: float) -> Any: ...
+    """alpha * D(payload) for the part; written into the output where the frontend can."""
+
+    def walk(self, job: Job, gathered: Any, parts: list[Part], info: CodecInfo) -> list[int]: ...
+    """Sizes of variable-size payloads (one per part) gathered back to back."""
+
+    def finish(self, job: Job, pieces: list) -> Any: ...
+    """The reduced gradient from the decoded parts, in order, shaped like the gradient."""
+
+
+Plan = Generator[Any, Any, Any]
+
+
+# ---- parts --------------------------------------------------------------------------------------
+def chunk_bounds(n: int, world: int, align: int = CHUNK_ALIGN) -> list[int]:
+    """world + 1 boundaries splitting n elements into contiguous, nearly equal chunks on
+    multiples of `align`; chunks past the end are empty (n < world * align)."""
+    bounds = [min(n, (j * n // world + align - 1) // align * align) for j in range(world)]
+    return bounds + [n]
+
+
+def _fields(config: CompressionConfig, n: int, step: int, k: int | None) -> tuple:
+    f = config.kernel_fields(n, step)
+    if k is not None and "k" in f:
+        f["k"] = k
+    return tuple(sorted(f.items()))
+
+
+def whole(job: Job) -> Part:
+    cfg, info = job.config, job.info
+    return Part(0, job.n, _fields(cfg, job.n, job.fields_step, None),
+                seed_name(job.name, job.rank, info.seed_per_rank))
+
+
+def chunks(job: Job, owner_key: bool = False) -> list[Part]:
+    """The world chunks of the gradient. A kept count k (top-k, DGC) is shared out in proportion
+    to chunk length, summing to the whole tensor's k. owner_key: seeds of the owners' second
+    encoding (each chunk by its owner) instead of this rank's first."""
+    cfg, info = job.config, job.info
+    bounds = chunk_bounds(job.n, job.world)
+    total = info.kept(cfg.param_dict, job.n, job.fields_step) if "k" in cfg.param_dict else None
+    parts = []
+    for j in range(job.world):
+        a, b = bounds[j], bounds[j + 1]
+        k = None
+        if total is not None and job.n:
+            k = total * b // job.n - total * a // job.n
+        key = (seed_name(f"{job.name}/owner{j}", j, info.seed_per_rank) if owner_key
+               else seed_name(f"{job.name}/chunk{j}", job.rank, info.seed_per_rank))
+        parts.append(Part(a, b, _fields(cfg, b - a, job.fields_step, k), key))
+    return parts
+
+
+def server_info(info: CodecInfo) -> CodecInfo:
+    return get_codec(info.server_codec) if info.server_codec else info
+
+
+# ---- cost model -------------------------------------------------------------------------------
+def wire_bytes(strategy: str, info: CodecInfo, itemsize: int, parts_whole: Part,
+               parts: list[Part], world: int) -> float:
+    """Bytes one rank sends per step under a strategy (averaged over ranks), from the codec's
+    payload sizes: ring allreduce 2(w-1)/w of the payload, ring allgather (w-1)/w of all
+    payloads, pairwise alltoall (w-1)/w of one rank's chunks."""
+    w = world
+    if w == 1:
+        return 0.0
+    if strategy == ALLREDUCE:
+        return 2.0 * (w - 1) / w * info.payload_bytes(itemsize, parts_whole.n,
+                                                      parts_whole.field_dict)
+    if strategy == ALLGATHER:
+        return (w - 1) * info.payload_bytes(itemsize, parts_whole.n, parts_whole.field_dict)
+    if strategy == COMPRESSED_ALLREDUCE:
+        first = sum(info.payload_bytes(itemsize, p.n, p.field_dict) for p in parts)
+        second = sum(server_info(info).payload_bytes(itemsize, p.n, p.field_dict) for p in parts)
+        return (w - 1) / w * (first + second)
+    raise ValueError(f"unknown collective strategy {strategy!r}")
+
+
+def choose(job: Job) -> str:
+    """The strategy for this gradient (sets job.strategy and job.wire_bytes)."""
+    info = job.info
+    allowed = family(info, job.config.collective)
+    if job.world == 1 or len(allowed) == 1:
+        best = allowed[0]
+    else:
+        parts = chunks(job)
+        costs = [(wire_bytes(s, info, job.itemsize, whole(job), parts, job.world), i, s)
+                 for i, s in enumerate(allowed)]
+        best = min(costs)[2]
+    job.strategy = best
+    job.wire_bytes = wire_bytes(best, info, job.itemsize, whole(job),
+                                chunks(job) if best == COMPRESSED_ALLREDUCE else [],
+                                job.world)
+    return best
+
+
+# ---- the plans ----------------------------------------------------------------------------------
+def run_allreduce(job: Job, ops: Ops) -> Plan:
+    info = job.info
+    prescale, alpha = info.average_factors(job.average, job.world)
+    part = whole(job)
+    job.extra["prescale"] = prescale
+    payload = ops.encode_part(job, ops.prepare(job), part, info, "worker")
+    job.payload_bytes = ops.size(payload)
+    reduced = yield Allreduce(payload, job.opname)
+    return ops.finish(job, [ops.decode_part(job, reduced, part, info, alpha)])
+
+
+def run_allgather(job: Job, ops: Ops) -> Plan:
+    info = job.info
+    prescale, alpha = info.average_factors(job.average, job.world)
+    part = whole(job)
+    job.extra["prescale"] = prescale
+    payload = ops.encode_part(job, ops.prepare(job), part, info, "worker")
+    job.payload_bytes = ops.size(payload)
+    gathered = yield Allgather(payload, job.opname, rows=not info.variable_size)
+    return ops.finish(job, [ops.reduce_into(job, gathered, part, info, job.world, alpha)])
+
+
+def run_compressed_allreduce(job: Job, ops: Ops) -> Plan:
+    info, w, r = job.info, job.world, job.rank
+    owner_codec = server_info(info)
+    alpha = 1.0 / w if job.average else 1.0
+    parts = chunks(job)
+    x = ops.prepare(job)
+    # 1. every chunk encoded by this rank, with its worker residual
+    payloads = [ops.encode_part(job, x[p.start:p.stop], p, info, "worker") for p in parts]
+    splits = [ops.size(pl) for pl in payloads]
+    job.payload_bytes = sum(splits)
+    # 2. chunk j to rank j
+    received = yield Alltoall(ops.concat(payloads), splits, job.opname + ".scatter")
+    # 3. this rank's chunk: every rank's payload decoded and summed
+    mine = parts[r]
+    summed = ops.reduce(job, received, mine, info, w, alpha)
+    # 4. the sum encoded again by its owner, with the owner residual; shared with every rank
+    owners = chunks(job, owner_key=True)
+    again = ops.encode_part(job, summed, owners[r], owner_codec, "owner")
+    gathered = yield Allgather(again, job.opname + ".gather")
+    # 5. every chunk decoded into the gradient
+    if owner_codec.variable_size:
+        sizes = ops.walk(job, gathered, owners, owner_codec)
+    else:
+        sizes = [owner_codec.payload_bytes(job.itemsize, p.n, p.field_dict) for p in owners]
+    pieces = ops.split(gathered, sizes)
+    return ops.finish(job, [ops.decode_part(job, pl, p, owner_codec, 1.0)
+                            for pl, p in zip(pieces, owners)])
+
+
+PLANS = {ALLREDUCE: run_allreduce, ALLGATHER: run_allgather,
+         COMPRESSED_ALLREDUCE: run_compressed_allreduce}
+
+
+def plan(job: Job, ops: Ops) -> Plan:
+    """The chosen strategy's plan for this gradient (choose() first)."""
+    return PLANS[job.strategy](job, ops)
+
+
+def run_now(gen: Plan, perform) -> Any:
+    """Drive a plan to its end, performing each collective at once (graph frontends)."""
+    try:
+        request = next(gen)
+        while True:
+            request = gen.send(perform(request))
+    except StopIteration as done:
+        return done.value
