@@ -52,10 +52,14 @@ CHUNK_ALIGN = 64
 
 
 def family(info: CodecInfo, collective: str) -> tuple[str, ...]:
-    """The codec's strategies that `collective` admits (all of them for auto)."""
+    """The codec's strategies that `collective` admits. auto: all of them, except that linear
+    codecs keep Horovod's allreduce. allreduce: ours (compressed or homomorphic) where the codec
+    has one, so that forcing it on fp16 sums in float32 instead of Horovod's half precision."""
     if collective == "auto":
-        return info.strategies
-    return tuple(s for s in info.strategies if s in _FAMILIES[collective])
+        return (ALLREDUCE,) if info.linear else info.strategies
+    admitted = tuple(s for s in info.strategies if s in _FAMILIES[collective])
+    ours = tuple(s for s in admitted if s != ALLREDUCE)
+    return ours or admitted
 
 
 # ---- collectives a plan asks for ------------------------------------------------------------

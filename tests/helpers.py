@@ -63,3 +63,14 @@ def two_rank_marker(world: int):
         raise RuntimeError(f"launched with {world} rank(s); these tests need exactly 2")
     return pytest.mark.skipif(world != 2, reason="two-rank test: run by `make test` under "
                               "mpirun -np 2 and horovodrun --gloo -np 2")
+
+
+def ranks_marker(world: int):
+    """For tests that run at any world size >= 2. `make test` launches them at 2, 3, 4 and 8
+    ranks with HVDC_RANKS set to the count it asked for, where any other world size is an
+    error, so they can never pass by being skipped there."""
+    want = os.environ.get("HVDC_RANKS")
+    if want and int(want) != world:
+        raise RuntimeError(f"launched with {world} rank(s); make asked for {want}")
+    return pytest.mark.skipif(world < 2, reason="multi-rank test: run by `make test` under "
+                              "mpirun and horovodrun --gloo at 2, 3, 4 and 8 ranks")

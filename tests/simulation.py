@@ -5,10 +5,15 @@ import numpy as np
 import numpy_ref as ref
 from helpers import random_grad, t2n
 import hvd_compress as hc
+from hvd_compress import collectives as col
+
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
 
 class Simulation:
-    """Both ranks' codec pipelines in numpy, then the collective the codec uses."""
+    """Every rank's codec pipeline in numpy, then the collective strategy the plan picks for
+    this tensor (hvd_compress.collectives.choose: which strategy is policy; the arithmetic here
+    is numpy_ref's)."""
 
     def __init__(self, spec, n, dtype, world, name="w"):
         self.world = world
@@ -19,11 +24,22 @@ class Simulation:
         self.e = [ref.zeros(n, dtype) for _ in range(world)]
         self.m = [ref.zeros(n, dtype) for _ in range(self.world)]
         self.u = [ref.zeros(n, dtype) for _ in range(self.world)]  # DGC velocity
+        self.owner_e = {}  # chunk index -> its owner's residual
         self.step = 0
+        self.strategy = None
+
+    def job(self, rank):
+        return col.Job(name=self.name, n=self.n, itemsize=ITEMSIZE[self.dtype], config=self.cfg,
+                       rank=rank, world=self.world, average=True, opname=self.name,
+                       step=self.step, fields_step=self.step)
 
     def __call__(self, grads):
         cfg, dtype, n = self.cfg, self.dtype, self.n
         info = cfg.info
+        if cfg.codec != "none":
+            self.strategy = col.choose(self.job(0))
+            if self.strategy == col.COMPRESSED_ALLREDUCE:
+                return self._compressed(grads)
 
         def seed(r):
             key = hc.seed_name(self.name, r, info.seed_per_rank)
@@ -58,6 +74,53 @@ class Simulation:
             summed = ref.from_acc(rank_sum(vals), dtype).tobytes()
             return ref.decode("randomk", summed, n, dtype, 1.0 / self.world, k=self.k, seed=seed0)
         return ref.aggregate(cfg.codec, payloads, n, dtype, 1.0 / self.world, k=self.k)
+
+
+    def _compressed(self, grads):
+        """The compressed allreduce: chunks encoded by every rank (worker residual), each
+        owner sums its chunk's payloads and encodes the sum again (owner residual), every
+        chunk decoded by every rank."""
+        cfg, dtype, w = self.cfg, self.dtype, self.world
+        info = cfg.info
+        owner_info = col.server_info(info)
+
+        def seed_of(part, codec_info):
+            return hc.derive_seed(cfg.seed, part.seed_key, self.step) if codec_info.uses_seed else 0
+
+        sent = []  # sent[r][j]: rank r's payload of chunk j
+        for r, g in enumerate(grads):
+            x = g
+            if cfg.momentum == "nesterov":
+                x, self.m[r] = ref.nesterov(x, self.m[r], cfg.mu, dtype)
+            row = []
+            for p in col.chunks(self.job(r)):
+                a, b, f = p.start, p.stop, p.field_dict
+                f.pop("rescale", None)
+                if cfg.codec == "dgc":
+                    pl, self.u[r][a:b], self.e[r][a:b] = ref.dgc_encode(
+                        x[a:b], self.u[r][a:b], self.e[r][a:b], dtype, **f)
+                elif cfg.ef == "vanilla":
+                    pl, self.e[r][a:b] = ref.ef_encode(cfg.codec, x[a:b], self.e[r][a:b], dtype,
+                                                       seed=seed_of(p, info), **f)
+                else:
+                    pl = ref.encode(cfg.codec, x[a:b], dtype, seed=seed_of(p, info), **f)
+                row.append(pl)
+            sent.append(row)
+        out = ref.zeros(self.n, dtype)
+        for j, p in enumerate(col.chunks(self.job(0), owner_key=True)):
+            a, b, f = p.start, p.stop, p.field_dict
+            summed = ref.aggregate(cfg.codec, [sent[r][j] for r in range(w)], b - a, dtype,
+                                   1.0 / w, k=f.get("k", 0))
+            enc = {k: v for k, v in f.items() if k not in ("momentum_factor", "clip_norm")}
+            if cfg.ef == "vanilla":
+                e = self.owner_e.get(j, ref.zeros(b - a, dtype))
+                pl, self.owner_e[j] = ref.ef_encode(owner_info.name, summed, e, dtype,
+                                                    seed=seed_of(p, owner_info), **enc)
+            else:
+                pl = ref.encode(owner_info.name, summed, dtype, seed=seed_of(p, owner_info), **enc)
+            out[a:b] = ref.decode(owner_info.name, pl, b - a, dtype, 1.0, k=f.get("k", 0))
+        self.step += 1
+        return out
 
 
 def rank_sum(arrays):

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..collectives import ALLREDUCE, Job, Part
+from ..collectives import ALLREDUCE, COMPRESSED_ALLREDUCE, Job, Part
 from ..registry import CodecInfo
 from ..seeds import derive_seed, seed_name
 from ..spec import CompressionConfig
@@ -153,7 +153,7 @@ class TorchCodec:
         cfg, name, grad = self.config, job.name, job.extra["grad"]
         kp = self._part_params(job, part, info)
         payload = _C.new_payload(info.kernel_id, x, kp)
-        chunked = part.n != job.n
+        chunked = job.strategy == COMPRESSED_ALLREDUCE
         if state == "worker" and info.state_slots:  # the codec's own state stands in for EF
             slots = [self._slot(name, s, grad).view(-1)[part.start:part.stop]
                      for s in info.state_slots]

@@ -1,0 +1,124 @@
+"""The collective strategies at any rank count: `make test` runs this module at 2, 3, 4 and 8
+ranks under both `mpirun` and `horovodrun --gloo`.
+
+Each rank computes every rank's gradient from seeds, so the expected result is a numpy
+simulation of the whole scheme (tests/simulation.py), compared bit for bit with what the real
+collectives delivered: the compressed allreduce's chunks, both residuals over several steps,
+and tensors smaller than the rank count or not divisible by it.
+"""
+from __future__ import annotations
+
+import horovod.torch as hvd
+import numpy as np
+import pytest
+import torch
+
+from helpers import TORCH_DTYPES, n2t, ranks_marker, same_bits, t2n
+from simulation import Simulation, grads_for_step
+from hvd_compress import collectives as col
+import hvd_compress.torch as hvdc
+
+hvd.init()
+WORLD, RANK = hvd.size(), hvd.rank()
+pytestmark = ranks_marker(WORLD)
+
+# Every codec whose payloads can be decoded, summed and encoded again.
+COMPRESSED = ["fp16", "bf16", "onebit", "signsgd", "efsignsgd", "topk,k=0.05", "minmax8,chunk=64",
+              "dithering", "qsgd", "terngrad", "natural", "threshold,threshold=1.0", "dgc,k=0.05"]
+# Lengths: one element, fewer elements than ranks, not divisible by the rank count (nor by the
+# 64-element chunk alignment), and enough for every rank to own a chunk.
+SIZES = [1, max(1, WORLD - 1), 64 * WORLD + 37]
+
+
+def optimizer(spec, n, dtype=torch.float32, name="w"):
+    # 2-D: DGC compresses weights only
+    p = torch.nn.Parameter(torch.zeros(1, n, dtype=dtype))
+    opt = hvdc.DistributedOptimizer(torch.optim.SGD([p], lr=0.0), named_parameters=[(name, p)],
+                                    compression=spec, min_compress_bytes=0)
+    return p, opt
+
+
+def reduce_step(p, opt, g):
+    opt.zero_grad()
+    (p * g.view(p.shape)).sum().backward()
+    opt.synchronize()
+    out = p.grad.detach().reshape(-1).clone()
+    with opt.skip_synchronize():
+        opt.step()
+    return out
+
+
+def check_against_simulation(spec, n, dtype="float32", steps=3):
+    p, opt = optimizer(spec, n, TORCH_DTYPES[dtype])
+    sim = Simulation(spec, n, dtype, WORLD)
+    for step in range(steps):
+        grads = grads_for_step(n, dtype, step, WORLD)
+        got = reduce_step(p, opt, n2t(grads[RANK], dtype))
+        want = sim(grads)
+        assert same_bits(t2n(got), want), f"{spec} n={n} step {step}"
+    return opt, sim
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("codec", COMPRESSED)
+def test_compressed_allreduce_equals_simulation(codec, n):
+    spec = codec + ",collective=allreduce"
+    opt, sim = check_against_simulation(spec, n)
+    assert sim.strategy == col.COMPRESSED_ALLREDUCE
+    assert opt.compression_stats.tensors["w"].collective == col.COMPRESSED_ALLREDUCE
+
+
+@pytest.mark.parametrize("spec", ["onebit,ef=vanilla", "topk,k=0.05,ef=vanilla", "efsignsgd",
+                                  "minmax8,ef=vanilla,momentum=nesterov", "dithering,s=4,ef=vanilla",
+                                  "dgc,k=0.05,warmup_steps=2", "threshold,threshold=0.5,ef=vanilla",
+                                  "bf16,ef=vanilla"])
+def test_worker_and_owner_residuals_over_steps_equal_simulation(spec):
+    """Both residuals (each rank's for every chunk, each owner's for its own chunk) carry
+    through four steps exactly as in the simulation."""
+    opt, sim = check_against_simulation(spec + ",collective=allreduce", 64 * WORLD + 37, steps=4)
+    state = opt.compression_state_dict()["slots"]["w"]
+    owner = [k for k in state if k.startswith("owner_ef")]
+    assert len(owner) == 1 and np.array_equal(state[owner[0]], sim.owner_e[RANK])
+    worker = state["ef" if "ef" in state else "dgc_accumulator"]
+    assert same_bits(worker.reshape(-1), sim.e[RANK])
+
+
+def test_float64_and_float16_gradients():
+    for spec, dtype in [("onebit,ef=vanilla", "float64"), ("topk,k=0.1,ef=vanilla", "float64"),
+                        ("minmax8", "float16"), ("bf16", "float16")]:
+        check_against_simulation(spec + ",collective=allreduce", 64 * WORLD + 5, dtype, steps=2)
+
+
+@pytest.mark.parametrize("codec", ["onebit", "topk,k=0.05", "minmax8", "bf16"])
+def test_auto_picks_by_bytes(codec):
+    """auto: allgather at two ranks (a tie goes to one compression), the compressed allreduce
+    from three ranks on for a tensor large enough that headers do not decide; forced
+    allgather still gathers."""
+    n = 4096 * WORLD
+    _, opt = optimizer(codec, n)
+    sim = Simulation(codec, n, "float32", WORLD)
+    grads = grads_for_step(n, "float32", 0, WORLD)
+    p = opt.param_groups[0]["params"][0]
+    assert same_bits(t2n(reduce_step(p, opt, n2t(grads[RANK], "float32"))), sim(grads))
+    want = col.ALLGATHER if WORLD == 2 else col.COMPRESSED_ALLREDUCE
+    assert opt.compression_stats.tensors["w"].collective == want
+    _, forced = optimizer(codec + ",collective=allgather", n)
+    reduce_step(forced.param_groups[0]["params"][0], forced, n2t(grads[RANK], "float32"))
+    assert forced.compression_stats.tensors["w"].collective == col.ALLGATHER
+    if WORLD > 2:
+        assert (opt.compression_stats.last_step_wire
+                < forced.compression_stats.last_step_wire)
+
+
+def test_linear_codecs_keep_horovods_allreduce():
+    for spec in ["fp16", "randomk,k=0.1"]:
+        _, opt = optimizer(spec, 1000)
+        reduce_step(opt.param_groups[0]["params"][0], opt, torch.ones(1, 1000))
+        assert opt.compression_stats.tensors["w"].collective == col.ALLREDUCE
+
+
+def test_all_ranks_hold_identical_results():
+    p, opt = optimizer("onebit,ef=vanilla,collective=allreduce", 1000)
+    got = reduce_step(p, opt, torch.randn(1000, generator=torch.Generator().manual_seed(RANK)))
+    every = hvd.allgather(got.unsqueeze(0), name="identical_check")
+    assert all(torch.equal(every[0], every[r]) for r in range(WORLD))
