@@ -13,7 +13,7 @@ PYTEST    := -m pytest -q -p no:cacheprovider --color=no --timeout=300
 # No hang may outlive this: a stuck collective fails the run instead of stalling CI.
 LIMIT     := timeout -k 20 1200
 
-.PHONY: setup test test-unit test-parallel test-bench test-gpu demo bench bench-quick bench-gpu clean
+.PHONY: setup test test-unit test-parallel test-ranks test-bench test-gpu demo bench bench-quick bench-gpu clean
 
 setup:
 	bash ci/setup.sh
@@ -23,7 +23,7 @@ $(STAMP): $(SOURCES)
 	bash ci/setup.sh
 	@touch $(STAMP)
 
-test: $(STAMP) test-parallel test-unit test-bench
+test: $(STAMP) test-parallel test-ranks test-unit test-bench
 
 # torch and TensorFlow suites run as separate jobs: Horovod's torch and TF libraries each keep
 # their own global state and must not be loaded side by side in one process.
@@ -32,6 +32,19 @@ test-parallel: $(STAMP)
 	$(LIMIT) $(MPIRUN) $(PY) $(PYTEST) tests/parallel/test_torch_parallel.py
 	$(LIMIT) $(HVDRUN) $(PY) $(PYTEST) tests/parallel/test_tf_parallel.py
 	$(LIMIT) $(MPIRUN) $(PY) $(PYTEST) tests/parallel/test_tf_parallel.py
+
+# The collective strategies at every rank count they must scale to, under both launchers (4 and
+# 8 ranks oversubscribe the 2-core CI machine: the tensors are small and the steps few).
+RANKS     := 2 3 4 8
+RANK_TESTS := tests/parallel/test_torch_collectives.py
+test-ranks: $(STAMP)
+	@for n in $(RANKS); do for t in $(RANK_TESTS); do \
+	  echo "== $$t at $$n ranks (mpirun, horovodrun --gloo)"; \
+	  $(LIMIT) env HVDC_RANKS=$$n mpirun --allow-run-as-root --oversubscribe -np $$n -x PATH \
+	    -x HVDC_RANKS $(PY) $(PYTEST) $$t || exit 1; \
+	  $(LIMIT) env HVDC_RANKS=$$n horovodrun --gloo -np $$n -H localhost:$$n \
+	    $(PY) $(PYTEST) $$t || exit 1; \
+	done; done
 
 # Kernels run twice: on the AVX2 paths and on the portable scalar paths.
 test-unit: $(STAMP)

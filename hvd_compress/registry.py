@@ -232,7 +232,7 @@ register(CodecInfo(
     wire="bfloat16[n]", doc="cast to bfloat16, round to nearest even",
     bits_per_element=lambda isz: 16.0,
     collective_note="linear, but Horovod 0.28.1 has no bfloat16 reduction: payloads are "
-                    "allgathered and summed locally in float32"))
+                    "decoded and summed in float32 by our kernels"))
 register(CodecInfo(
     name="onebit", kernel_id=3, collective="allgather", aggregation="mean", params=(SCALING,),
     wire="[u32 tag][f32 scale][sign bits, 64 per u64 word]",
@@ -372,6 +372,11 @@ register(CodecInfo(
               "default); a second one would add it twice"),)))
 
 
+_STRATEGY_NAMES = {"allreduce": "allreduce", "allgather": "allgather",
+                   "compressed_allreduce": "compressed allreduce",
+                   "homomorphic": "homomorphic allreduce"}
+
+
 def codec_table() -> str:
     """The README's codec table, generated so the documentation cannot drift from the registry."""
     lines = ["| codec | parameters (default) | collective | bytes on the wire per fp32 element | "
@@ -397,7 +402,8 @@ def codec_table() -> str:
             wire = f"{c.bits_per_element(4) / 8:g}"
             if c.collective == "allgather":
                 wire += " + 8-byte header" if c.name != "bf16" else ""
-        collective = c.collective + (f" ({c.collective_note})" if c.collective_note else "")
+        collective = " / ".join(_STRATEGY_NAMES[s] for s in c.strategies)
+        collective += f" ({c.collective_note})" if c.collective_note else ""
         if c.aggregation == "majority":
             collective += ", majority vote"
         lines.append(f"| `{c.name}` | {params} | {collective} | {wire} | {c.wire} |")
