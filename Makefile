@@ -37,6 +37,8 @@ test-parallel: $(STAMP)
 # 8 ranks oversubscribe the 2-core CI machine: the tensors are small and the steps few).
 RANKS     := 2 3 4 8
 RANK_TESTS := tests/parallel/test_torch_collectives.py
+# The two-level strategy: 4 ranks that Horovod's Gloo mode takes for 2 nodes of 2 (tests/nodes.py).
+NODE_TESTS := tests/parallel/test_torch_two_level.py
 test-ranks: $(STAMP)
 	@for n in $(RANKS); do for t in $(RANK_TESTS); do \
 	  echo "== $$t at $$n ranks (mpirun, horovodrun --gloo)"; \
@@ -45,6 +47,9 @@ test-ranks: $(STAMP)
 	  $(LIMIT) env HVDC_RANKS=$$n horovodrun --gloo -np $$n -H localhost:$$n \
 	    $(PY) $(PYTEST) $$t || exit 1; \
 	done; done
+	@for t in $(NODE_TESTS); do echo "== $$t as 2 nodes x 2 local ranks"; \
+	  $(LIMIT) env HOROVOD_DYNAMIC_PROCESS_SETS=1 HVDC_NODES=1 $(PY) tests/nodes.py --nodes 2 \
+	    --per-node 2 -- $(PY) $(PYTEST) $$t || exit 1; done
 
 # Kernels run twice: on the AVX2 paths and on the portable scalar paths.
 test-unit: $(STAMP)

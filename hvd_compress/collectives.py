@@ -26,10 +26,19 @@ compressed_allreduce (BytePS two-level compression, DeepSpeed 1-bit Adam, Bagua 
        the encoded chunks;
     5. every rank decodes all chunks into the gradient, so all ranks hold identical results.
     Bytes per rank: about 2(n-1)/n payloads, flat as ranks grow.
+two-level (`hierarchical=true`, for nodes of several ranks; Horovod's hierarchical allreduce
+    splits the work the same way):
+    1. the ranks of a node alltoall the gradient, uncompressed, so that local rank l holds the
+       node's shard l of every rank's gradient, and sum it (local process set);
+    2. shard l travels between nodes by the codec's own strategy (any of the above, chosen by
+       cost for the node count) among the ranks of local rank l (cross process set), with its
+       error feedback and momentum state kept per shard;
+    3. the node allgathers the reduced shards (local process set).
+    Only step 2 crosses nodes: the codec's bytes per rank fall by the node's rank count.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Generator, Protocol
 
 from .registry import CodecInfo, get_codec
@@ -63,11 +72,17 @@ def family(info: CodecInfo, collective: str) -> tuple[str, ...]:
 
 
 # ---- collectives a plan asks for ------------------------------------------------------------
+# `group` of a request: None for the job's process set, LOCAL for the ranks of this rank's node,
+# CROSS for the ranks of this rank's local rank on every node (the two-level strategy's sets).
+LOCAL, CROSS = "local", "cross"
+
+
 @dataclass
 class Allreduce:
     tensor: Any
     name: str
     op: str = "sum"  # or "max"
+    group: str | None = None
 
 
 @dataclass
@@ -77,6 +92,7 @@ class Allgather:
     tensor: Any
     name: str
     rows: bool = False
+    group: str | None = None
 
 
 @dataclass
@@ -86,6 +102,7 @@ class Alltoall:
     tensor: Any
     splits: list[int]
     name: str
+    group: str | None = None
 
 
 # ---- one gradient's reduction -----------------------------------------------------------------
@@ -121,6 +138,8 @@ class Job:
     opname: str
     step: Any = 0
     fields_step: int = 0
+    # The node layout for the two-level strategy: (local rank, local size, cross rank, cross size).
+    nodes: tuple[int, int, int, int] | None = None
     strategy: str = ALLGATHER
     wire_bytes: float = 0.0  # this rank's bytes on the wire by the cost model, for stats
     payload_bytes: int = 0   # bytes of this rank's own payloads (all chunks), for stats
@@ -136,6 +155,17 @@ class Ops(Protocol):
 
     def prepare(self, job: Job) -> Any: ...
     """The gradient as a 1-D contiguous tensor, worker-side momentum applied."""
+
+    def flat(self, job: Job) -> Any: ...
+    """The gradient as a 1-D contiguous tensor, as it is."""
+
+    def as_bytes(self, t: Any) -> Any: ...
+    def from_bytes(self, b: Any, job: Job) -> Any: ...
+    """A 1-D tensor as bytes, and back to the gradient's dtype."""
+
+    def sum_rows(self, job: Job, rows: Any, ranks: int, alpha: float) -> Any: ...
+    """alpha * (row 0 + row 1 + ...) of `ranks` equal rows laid back to back (the gradient's
+    dtype), added in rank order in the kernels' accumulator type."""
 
     def encode_part(self, job: Job, x: Any, part: Part, info: CodecInfo,
                     state: str | None) -> Any: ...
@@ -236,6 +266,10 @@ def wire_bytes(strategy: str, info: CodecInfo, itemsize: int, parts_whole: Part,
 
 def choose(job: Job) -> str:
     """The strategy for this gradient (sets job.strategy and job.wire_bytes)."""
+    if job.config.hierarchical and job.nodes is not None:
+        job.strategy = TWO_LEVEL
+        job.wire_bytes = _inner(job, None).wire_bytes
+        return TWO_LEVEL
     info = job.info
     allowed = family(info, job.config.collective)
     if job.world == 1 or len(allowed) == 1:
@@ -304,8 +338,54 @@ def run_compressed_allreduce(job: Job, ops: Ops) -> Plan:
                             for pl, p in zip(pieces, owners)])
 
 
+def _inner(job: Job, shard: Any) -> Job:
+    """The cross-node job of this rank's shard under the two-level strategy."""
+    local_rank, local_size, cross_rank, cross_size = job.nodes
+    bounds = chunk_bounds(job.n, local_size)
+    inner = Job(name=f"{job.name}/shard{local_rank}", n=bounds[local_rank + 1] - bounds[local_rank],
+                itemsize=job.itemsize, config=replace(job.config, hierarchical=False),
+                rank=cross_rank, world=cross_size, average=job.average,
+                opname=f"{job.opname}.shard", step=job.step, fields_step=job.fields_step,
+                extra={"grad": shard})
+    choose(inner)
+    return inner
+
+
+def _in_group(gen: Plan, group: str) -> Plan:
+    """A plan whose collectives run among `group` instead of the job's process set."""
+    try:
+        request = next(gen)
+        while True:
+            request.group = group
+            request = gen.send((yield request))
+    except StopIteration as done:
+        return done.value
+
+
+def run_two_level(job: Job, ops: Ops) -> Plan:
+    local_rank, local_size, _, cross_size = job.nodes
+    bounds = chunk_bounds(job.n, local_size)
+    x = ops.flat(job)
+    # 1. shard j of every rank's gradient to local rank j, summed (averaged over the node)
+    pieces = [ops.as_bytes(x[bounds[j]:bounds[j + 1]]) for j in range(local_size)]
+    received = yield Alltoall(ops.concat(pieces), [ops.size(p) for p in pieces],
+                              job.opname + ".node_scatter", LOCAL)
+    shard = ops.sum_rows(job, ops.from_bytes(received, job), local_size,
+                         1.0 / local_size if job.average else 1.0)
+    # 2. the shard between nodes, by the codec's own strategy
+    if cross_size > 1:
+        inner = _inner(job, shard)
+        shard = yield from _in_group(plan(inner, ops), CROSS)
+        job.payload_bytes = inner.payload_bytes
+    # 3. every shard to every rank of the node
+    gathered = yield Allgather(ops.as_bytes(shard), job.opname + ".node_gather", group=LOCAL)
+    sizes = [(bounds[j + 1] - bounds[j]) * job.itemsize for j in range(local_size)]
+    return ops.finish(job, [ops.from_bytes(b, job) for b in ops.split(gathered, sizes)])
+
+
+TWO_LEVEL = "two_level"
 PLANS = {ALLREDUCE: run_allreduce, ALLGATHER: run_allgather,
-         COMPRESSED_ALLREDUCE: run_compressed_allreduce}
+         COMPRESSED_ALLREDUCE: run_compressed_allreduce, TWO_LEVEL: run_two_level}
 
 
 def plan(job: Job, ops: Ops) -> Plan:

@@ -18,7 +18,7 @@ class CompressorBase:
         """A variant with some parameters changed: `Compression.topk(k=0.001, ef="vanilla")`."""
         cfg = self.config
         spec = {"compressor": cfg.codec, **dict(cfg.params), "momentum": cfg.momentum,
-                "seed": cfg.seed, "collective": cfg.collective}
+                "seed": cfg.seed, "collective": cfg.collective, "hierarchical": cfg.hierarchical}
         if not cfg.info.builtin_ef:
             spec["ef"] = cfg.ef
         if cfg.momentum != "none":

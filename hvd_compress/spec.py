@@ -22,7 +22,7 @@ COLLECTIVE_CHOICES = ("auto", "allgather", "allreduce", "homomorphic")
 MOMENTUM_CHOICES = ("none", "nesterov")
 DEFAULT_MU = 0.9
 # Keys that decorate any codec rather than parametrise one.
-DECORATOR_KEYS = ("ef", "momentum", "mu", "seed", "collective")
+DECORATOR_KEYS = ("ef", "momentum", "mu", "seed", "collective", "hierarchical")
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,7 @@ class CompressionConfig:
     mu: float = DEFAULT_MU
     seed: int = 0
     collective: str = "auto"
+    hierarchical: bool = False
 
     @property
     def info(self) -> CodecInfo:
@@ -62,6 +63,8 @@ class CompressionConfig:
         items.append(f"seed={self.seed}")
         if self.collective != "auto":  # absent when default: specs saved before it still match
             items.append(f"collective={self.collective}")
+        if self.hierarchical:
+            items.append("hierarchical=true")
         return ",".join(items)
 
     def fingerprint(self) -> int:
@@ -79,6 +82,8 @@ class CompressionConfig:
             items.append(f"seed={self.seed}")
         if self.collective != "auto":
             items.append(f"collective={self.collective}")
+        if self.hierarchical:
+            items.append("hierarchical=true")
         return ",".join(items)
 
 
@@ -189,6 +194,10 @@ def parse_spec(spec: Any) -> CompressionConfig:
 
     collective = _coerce("collective", str, items.pop("collective", "auto"))
     _check_collective(info, collective)
+    hierarchical = _coerce("hierarchical", bool, items.pop("hierarchical", False))
+    if hierarchical and info.rounds != 1:
+        raise ValueError(f"{info.name} runs its own {info.rounds}-round pipeline; "
+                         f"hierarchical=true is not supported with it")
 
     params = []
     for p in info.params:
@@ -205,7 +214,7 @@ def parse_spec(spec: Any) -> CompressionConfig:
         valid = [p.describe() for p in info.params] + list(DECORATOR_KEYS)
         raise ValueError(f"codec {info.name!r} has no parameter {bad!r}; valid: {', '.join(valid)}")
     return CompressionConfig(codec=info.name, params=tuple(params), ef=ef, momentum=momentum,
-                             mu=mu, seed=seed, collective=collective)
+                             mu=mu, seed=seed, collective=collective, hierarchical=hierarchical)
 
 
 def _check_collective(info: CodecInfo, collective: str) -> None:

@@ -137,6 +137,30 @@ class TorchCodec:
 
 
     # ---- the reduction plans' operations (hvd_compress.collectives.Ops) -------------------------
+    @staticmethod
+    def flat(job: Job) -> torch.Tensor:
+        grad = job.extra["grad"]
+        check_gradient(grad)
+        return grad.contiguous().view(-1)
+
+    @staticmethod
+    def as_bytes(t: torch.Tensor) -> torch.Tensor:
+        return t.contiguous().view(-1).view(torch.uint8)
+
+    @staticmethod
+    def from_bytes(b: torch.Tensor, job: Job) -> torch.Tensor:
+        return b.view(-1).view(job.extra["grad"].dtype)
+
+    @staticmethod
+    def sum_rows(job: Job, rows: torch.Tensor, ranks: int, alpha: float) -> torch.Tensor:
+        acc = torch.float64 if rows.dtype == torch.float64 else torch.float32
+        rows = rows.view(ranks, -1)
+        total = rows[0].to(acc, copy=True)
+        for r in range(1, ranks):
+            total += rows[r]
+        total *= alpha
+        return total.to(rows.dtype)
+
     def prepare(self, job: Job) -> torch.Tensor:
         grad = job.extra["grad"]
         check_gradient(grad)
@@ -240,7 +264,9 @@ class TorchCodec:
 
     def finish(self, job: Job, pieces: list) -> torch.Tensor:
         grad = job.extra["grad"]
-        out = job.extra["out"]
+        out = job.extra.get("out")
+        if out is None:  # the pieces were not written in place (two-level)
+            out = torch.cat(pieces)
         if out.data_ptr() != grad.data_ptr() or not grad.is_contiguous():
             grad.copy_(out.view(grad.shape))
         return grad

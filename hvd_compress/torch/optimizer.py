@@ -64,6 +64,10 @@ class _CompressedReduction:
         self._hvdc_powersgd = (PowerSGDReduction(config, self._hvdc_store, process_set,
                                                  average=op == hvd.Average)
                                if config.info.rounds == 2 else None)
+        self._hvdc_nodes, self._hvdc_groups = None, {None: process_set}
+        if config.hierarchical:
+            self._hvdc_nodes, local, cross = node_process_sets(process_set)
+            self._hvdc_groups.update({collectives.LOCAL: local, collectives.CROSS: cross})
         _DistributedOptimizer.__init__(
             self, params, named_parameters, hvd.Compression.none,
             backward_passes_per_step=backward_passes_per_step, op=op,
@@ -96,9 +100,9 @@ class _CompressedReduction:
         job = collectives.Job(name=name, n=grad.numel(), itemsize=grad.element_size(),
                               config=self._hvdc_config, rank=ps.rank(), world=ps.size(),
                               average=self.op == hvd.Average, opname=name, step=step,
-                              fields_step=step, extra={"grad": grad})
+                              fields_step=step, nodes=self._hvdc_nodes, extra={"grad": grad})
         collectives.choose(job)
-        pending = PendingPlan(collectives.plan(job, self._hvdc_codec), ps)
+        pending = PendingPlan(collectives.plan(job, self._hvdc_codec), self._hvdc_groups)
         self._hvdc_stats.record(name, job.info.name, grad.numel() * grad.element_size(),
                                 job.payload_bytes, job.strategy, job.wire_bytes)
         return pending, None
@@ -159,13 +163,13 @@ class PendingPlan:
     reduced gradient; prepare() moves the plan on by one collective, so every tensor's second
     collective is issued before any tensor is waited on to the end."""
 
-    def __init__(self, gen, process_set):
-        self._gen, self._ps = gen, process_set
+    def __init__(self, gen, groups):
+        self._gen, self._groups = gen, groups
         self._done, self._result = False, None
         self._issue(next(gen))
 
     def _issue(self, request) -> None:
-        ps = self._ps
+        ps = self._groups[request.group]
         if isinstance(request, collectives.Allreduce):
             handle = hvd.allreduce_async_(request.tensor, name=request.name,
                                           op=_OPS[request.op], process_set=ps)
@@ -193,6 +197,44 @@ class PendingPlan:
         while not self._done:
             self.prepare()
         return self._result
+
+
+_node_sets: dict[tuple, object] = {}
+
+
+def node_process_sets(process_set):
+    """The two-level strategy's process sets: this rank's node (same cross rank) and this
+    rank's local rank on every node (same local rank), registered once per job as Horovod
+    dynamic process sets, every rank registering every set in the same order."""
+    import os
+    if process_set is not hvd.global_process_set:
+        raise ValueError("hierarchical=true builds its node process sets from all ranks; it "
+                         "works with the global process set only")
+    if os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS", "").lower() not in ("1", "true"):
+        raise ValueError("hierarchical=true registers a process set per node and per local "
+                         "rank, which needs Horovod's dynamic process sets: call "
+                         "hvd.init(process_sets='dynamic'), or launch with "
+                         "HOROVOD_DYNAMIC_PROCESS_SETS=1 in the environment (horovodrun "
+                         "passes it on; mpirun -x HOROVOD_DYNAMIC_PROCESS_SETS=1)")
+    mine = [hvd.local_rank(), hvd.local_size(), hvd.cross_rank(), hvd.cross_size()]
+    layout = hvd.allgather(torch.tensor([mine]), name="hvd_compress.node_layout").tolist()
+    if len({row[1] for row in layout}) > 1:
+        sizes = ", ".join(f"rank {r}: {row[1]}" for r, row in enumerate(layout))
+        raise ValueError(f"hierarchical=true needs the same number of ranks on every node "
+                         f"(local sizes {sizes})")
+    nodes = sorted({tuple(r for r, row in enumerate(layout) if row[2] == c)
+                    for c in {row[2] for row in layout}})
+    crosses = sorted({tuple(r for r, row in enumerate(layout) if row[0] == lr)
+                      for lr in {row[0] for row in layout}})
+    everyone = tuple(range(hvd.size()))
+    for ranks in nodes + crosses:
+        if ranks not in _node_sets:
+            _node_sets[ranks] = (hvd.global_process_set if ranks == everyone
+                                 else hvd.add_process_set(list(ranks)))
+    rank = hvd.rank()
+    local = next(_node_sets[r] for r in nodes if rank in r)
+    cross = next(_node_sets[r] for r in crosses if rank in r)
+    return tuple(mine), local, cross
 
 
 def _check_ranks_agree(config: CompressionConfig, min_bytes: int, process_set) -> None:

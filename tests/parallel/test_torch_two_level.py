@@ -1,0 +1,113 @@
+"""The two-level strategy (hierarchical=true) on 4 ranks posing as 2 nodes x 2 local ranks
+(`tests/nodes.py`, run by `make test`), bit for bit against a numpy simulation: the node's
+shards summed in rank order, each shard through the codec's strategy between the nodes
+(tests/simulation.py, with that shard's own residuals), the shards put back together."""
+from __future__ import annotations
+
+import os
+
+import horovod.torch as hvd
+import numpy as np
+import pytest
+import torch
+
+import numpy_ref as ref
+from helpers import n2t, same_bits, t2n
+from simulation import Simulation, grads_for_step
+from hvd_compress import collectives as col
+import hvd_compress.torch as hvdc
+
+hvd.init()
+RANK, WORLD = hvd.rank(), hvd.size()
+NODES, PER_NODE = hvd.cross_size(), hvd.local_size()
+if os.environ.get("HVDC_NODES") and (NODES, PER_NODE) != (2, 2):
+    raise RuntimeError(f"launched as {NODES} node(s) x {PER_NODE}; make asked for 2 x 2")
+pytestmark = pytest.mark.skipif((NODES, PER_NODE) != (2, 2), reason="run by `make test` "
+                                "through tests/nodes.py as 2 nodes x 2 local ranks")
+
+
+class TwoLevelSimulation:
+    def __init__(self, spec, n, dtype="float32"):
+        self.n, self.dtype = n, dtype
+        self.bounds = col.chunk_bounds(n, PER_NODE)
+        self.inner = [Simulation(spec.replace(",hierarchical=true", ""),
+                                 self.bounds[j + 1] - self.bounds[j], dtype, NODES,
+                                 name=f"w/shard{j}") for j in range(PER_NODE)]
+
+    def __call__(self, grads):
+        A = ref.acc_type(self.dtype)
+        out = []
+        for j, sim in enumerate(self.inner):
+            a, b = self.bounds[j], self.bounds[j + 1]
+            shards = []
+            for c in range(NODES):
+                rows = [grads[c * PER_NODE + lr][a:b] for lr in range(PER_NODE)]
+                acc = ref.to_acc(rows[0], self.dtype).astype(A)
+                for row in rows[1:]:
+                    acc = acc + ref.to_acc(row, self.dtype)
+                shards.append(ref.from_acc(acc * A(1.0 / PER_NODE), self.dtype))
+            out.append(sim(shards))
+        return np.concatenate(out)
+
+
+def optimizer(spec, n, dtype=torch.float32):
+    p = torch.nn.Parameter(torch.zeros(1, n, dtype=dtype))
+    opt = hvdc.DistributedOptimizer(torch.optim.SGD([p], lr=0.0), named_parameters=[("w", p)],
+                                    compression=spec, min_compress_bytes=0)
+    return p, opt
+
+
+def reduce_step(p, opt, g):
+    opt.zero_grad()
+    (p * g.view(p.shape)).sum().backward()
+    opt.synchronize()
+    out = p.grad.detach().reshape(-1).clone()
+    with opt.skip_synchronize():
+        opt.step()
+    return out
+
+
+def test_ranks_are_laid_out_as_two_nodes():
+    assert (hvd.cross_rank(), hvd.local_rank()) == divmod(RANK, PER_NODE)
+
+
+@pytest.mark.parametrize("n", [1, 3, 64 * 4 + 37])
+@pytest.mark.parametrize("spec", ["onebit,ef=vanilla", "topk,k=0.05,ef=vanilla", "efsignsgd",
+                                  "minmax8,chunk=64", "bf16", "fp16",
+                                  "dithering,ef=vanilla,momentum=nesterov",
+                                  "onebit,ef=vanilla,collective=allreduce",
+                                  "topk,k=0.05,ef=vanilla,collective=allreduce"])
+def test_two_level_equals_simulation(spec, n):
+    spec += ",hierarchical=true"
+    p, opt = optimizer(spec, n)
+    sim = TwoLevelSimulation(spec, n)
+    for step in range(3):
+        grads = grads_for_step(n, "float32", step, WORLD)
+        got = reduce_step(p, opt, n2t(grads[RANK], "float32"))
+        assert same_bits(t2n(got), sim(grads)), f"step {step}"
+    t = opt.compression_stats.tensors["w"]
+    assert t.collective == col.TWO_LEVEL
+    every = hvd.allgather(got.unsqueeze(0), name="two_level_identical")
+    assert all(torch.equal(every[0], every[r]) for r in range(WORLD))
+
+
+def test_only_the_shard_crosses_nodes():
+    """Flat, 4 ranks take the compressed allreduce: 2(4-1)/4 = 1.5 payloads per rank. Two-level,
+    only a shard (half the tensor) crosses between the 2 nodes, by allgather: half a payload,
+    a third of the flat figure (within the chunk headers)."""
+    n = 4096 * 4
+    grads = grads_for_step(n, "float32", 0, WORLD)
+    sent = {}
+    for spec in ("onebit,ef=vanilla", "onebit,ef=vanilla,hierarchical=true"):
+        p, opt = optimizer(spec, n)
+        reduce_step(p, opt, n2t(grads[RANK], "float32"))
+        sent[spec] = opt.compression_stats.last_step_wire
+    flat, two = sent["onebit,ef=vanilla"], sent["onebit,ef=vanilla,hierarchical=true"]
+    assert two == pytest.approx(flat / 3, rel=0.05)
+
+
+def test_without_dynamic_process_sets_the_error_says_how(monkeypatch):
+    monkeypatch.delenv("HOROVOD_DYNAMIC_PROCESS_SETS")
+    with pytest.raises(ValueError, match="needs Horovod's dynamic process sets: call "
+                                         r"hvd.init\(process_sets='dynamic'\)"):
+        optimizer("onebit,hierarchical=true", 10)
