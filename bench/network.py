@@ -3,6 +3,13 @@ that tc shapes to 100 Mbit/s, 1 Gbit/s and 10 Gbit/s, training a communication-h
 
     sudo python bench/network.py            # 25M parameters, 3 timed steps per row and rate
     sudo python bench/network.py --quick    # 6M parameters, 2 timed steps: about two minutes
+    sudo python bench/network.py --layout 2x2   # 4 ranks: two "nodes" of two ranks each
+
+With --layout 2x2 each namespace is a node running two ranks (Horovod's local and cross ranks
+set as horovodrun would on two hosts): ranks of one node talk over its loopback, unshaped, and
+only traffic between the nodes crosses the shaped veth. Its rows compare Horovod with the
+codecs over allgather, the compressed allreduce and the two-level strategy (hierarchical=true);
+bytes per step are then those node 0 sent across the link.
 
 Rows: uncompressed Horovod (the baseline), Horovod's own fp16, PyTorch DDP over Gloo with its
 fp16_compress_hook and powerSGD_hook (the same rank as our powersgd row), and our codecs through
@@ -53,6 +60,17 @@ ROWS = [("horovod, no compression", "horovod", "none"),
         ("threshold (~1% at step 0)", "ours", "threshold,ef=vanilla"),
         ("dgc 0.1%", "ours", "dgc,k=0.001"),
         (f"powersgd rank={POWERSGD_RANK}", "ours", f"powersgd,rank={POWERSGD_RANK},start_iter=2")]
+# Two nodes of two ranks: where the bytes between nodes come from.
+ROWS_2X2 = [("horovod, no compression", "horovod", "none"),
+            ("horovod fp16", "horovod", "fp16")] + [
+    (f"{label} {how}", "ours", f"{spec},{suffix}")
+    for label, spec in (("onebit", "onebit,ef=vanilla"), ("minmax8", "minmax8"),
+                        ("topk 1%", "topk,k=0.01,ef=vanilla"), ("efsignsgd", "efsignsgd"),
+                        ("dithering", "dithering,ef=vanilla"))
+    for how, suffix in (("allgather", "collective=allgather"),
+                        ("compressed allreduce", "collective=allreduce"),
+                        ("two-level", "hierarchical=true"))]
+LAYOUTS = {"1x2": (1, ROWS), "2x2": (2, ROWS_2X2)}  # ranks per node, rows
 
 
 # ---- the namespaces -------------------------------------------------------------------------
@@ -134,8 +152,8 @@ def refuse_unless_able():
 
 
 # ---- launching ranks ------------------------------------------------------------------------
-def launch(link, rank, env, args):
-    cmd = ["ip", "netns", "exec", link.ns[rank], sys.executable, os.path.abspath(__file__)] + args
+def launch(link, node, env, args):
+    cmd = ["ip", "netns", "exec", link.ns[node], sys.executable, os.path.abspath(__file__)] + args
     return subprocess.Popen(cmd, env={**os.environ, **env}, stdin=subprocess.DEVNULL)
 
 
@@ -154,26 +172,33 @@ def run_pair(procs, timeout):
                 p.wait()
 
 
-def run_horovod(link, rows, opts, out, timeout):
-    """One Horovod job per rate runs every Horovod and hvd_compress row."""
+def run_horovod(link, rows, opts, out, timeout, per_node=1):
+    """One Horovod job per rate runs every Horovod and hvd_compress row, with per_node ranks in
+    each of the two namespaces."""
     rdv = subprocess.Popen(["ip", "netns", "exec", link.ns[0], sys.executable,
-                            os.path.abspath(__file__), "--rendezvous"],
+                            os.path.abspath(__file__), "--rendezvous", "--per-node",
+                            str(per_node)],
                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         port = rdv.stdout.readline().strip()
         if not port.isdigit():
             raise RuntimeError("the rendezvous server did not start")
         procs = []
-        for r in range(2):
+        size = 2 * per_node
+        for r in range(size):
+            node, local = divmod(r, per_node)
             env = {"HOROVOD_GLOO_RENDEZVOUS_ADDR": link.addr[0],
                    "HOROVOD_GLOO_RENDEZVOUS_PORT": port, "HOROVOD_CONTROLLER": "gloo",
-                   "HOROVOD_CPU_OPERATIONS": "gloo", "HOROVOD_GLOO_IFACE": link.dev[r],
-                   "HOROVOD_HOSTNAME": f"hvdc-{r}", "HOROVOD_RANK": str(r), "HOROVOD_SIZE": "2",
-                   "HOROVOD_LOCAL_RANK": "0", "HOROVOD_LOCAL_SIZE": "1",
-                   "HOROVOD_CROSS_RANK": str(r), "HOROVOD_CROSS_SIZE": "2"}
-            procs.append(launch(link, r, env, ["--worker", "horovod", "--iface", link.dev[r],
-                                               "--rows", json.dumps(rows), "--opts",
-                                               json.dumps(opts), "--result", out]))
+                   "HOROVOD_CPU_OPERATIONS": "gloo", "HOROVOD_GLOO_IFACE": link.dev[node],
+                   "HOROVOD_HOSTNAME": f"hvdc-{node}", "HOROVOD_RANK": str(r),
+                   "HOROVOD_SIZE": str(size), "HOROVOD_LOCAL_RANK": str(local),
+                   "HOROVOD_LOCAL_SIZE": str(per_node), "HOROVOD_CROSS_RANK": str(node),
+                   "HOROVOD_CROSS_SIZE": "2",
+                   # the two-level rows register their node process sets at run time
+                   "HOROVOD_DYNAMIC_PROCESS_SETS": "1"}
+            procs.append(launch(link, node, env, ["--worker", "horovod", "--iface",
+                                                  link.dev[node], "--rows", json.dumps(rows),
+                                                  "--opts", json.dumps(opts), "--result", out]))
         run_pair(procs, timeout)
     finally:
         rdv.stdin.close()
@@ -192,12 +217,13 @@ def run_ddp(link, rows, opts, out, timeout):
     run_pair(procs, timeout)
 
 
-def rendezvous_server():
+def rendezvous_server(per_node):
     from horovod.runner.common.util.hosts import get_host_assignments, parse_hosts
     from horovod.runner.http.http_server import RendezvousServer
     server = RendezvousServer()
     port = server.start()
-    server.init(get_host_assignments(parse_hosts("hvdc-0:1,hvdc-1:1"), 2))
+    server.init(get_host_assignments(parse_hosts(f"hvdc-0:{per_node},hvdc-1:{per_node}"),
+                                     2 * per_node))
     print(port, flush=True)
     sys.stdin.read()  # until the parent closes our stdin
     server.stop()
@@ -343,17 +369,17 @@ def ddp_worker(args):
 
 
 # ---- the report -----------------------------------------------------------------------------
-def report(rows, rates, settings, out_dir):
+def report(rows, rates, settings, out_dir, table=ROWS, name="network"):
     by = {(r["rate"], r["row"]): r for r in rows}
-    labels = [label for label, _, _ in ROWS if any(r["row"] == label for r in rows)]
+    labels = [label for label, _, _ in table if any(r["row"] == label for r in rows)]
     for r in rows:
-        r["speedup"] = by[(r["rate"], ROWS[0][0])]["ms_per_step"] / r["ms_per_step"]
+        r["speedup"] = by[(r["rate"], table[0][0])]["ms_per_step"] / r["ms_per_step"]
     header = ["row"] + [f"{rate} {c}" for rate in rates for c in ("ms/step", "speedup", "bytes/step")]
     lines = [[label] + [x for rate in rates for x in (
         f"{by[(rate, label)]['ms_per_step']:.1f}", f"{by[(rate, label)]['speedup']:.2f}x",
         f"{by[(rate, label)]['bytes_per_step']:,}")] for label in labels]
     print(results.markdown(header, lines))
-    results.write(out_dir, "network", settings, rows)
+    results.write(out_dir, name, settings, rows)
     plt = results.pyplot()
     fig, ax = plt.subplots(figsize=(11, 5))
     width = 0.8 / len(rates)
@@ -365,10 +391,11 @@ def report(rows, rates, settings, out_dir):
     ax.set_xticklabels(labels, rotation=60, ha="right", fontsize=8)
     ax.set_yscale("log")
     ax.set_ylabel("speedup over uncompressed Horovod (ms/step)")
-    ax.set_title(f"2 ranks, {settings['params_m']}M-parameter MLP, veth shaped by tc")
+    ax.set_title(f"{settings['layout']}: {settings['ranks']} ranks, {settings['params_m']}M-parameter "
+                 f"MLP, veth shaped by tc")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "network.png"), dpi=110)
+    fig.savefig(os.path.join(out_dir, f"{name}.png"), dpi=110)
 
 
 def main():
@@ -378,14 +405,17 @@ def main():
     ap.add_argument("--steps", type=int, default=None, help="timed steps per row and rate")
     ap.add_argument("--rates", default=",".join(RATES), help="comma-separated: " + ", ".join(RATES))
     ap.add_argument("--out", default=results.DEFAULT_OUT)
+    ap.add_argument("--layout", choices=list(LAYOUTS), default="1x2",
+                    help="ranks per namespace x namespaces: 1x2 (default) or 2x2")
     ap.add_argument("--rendezvous", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--per-node", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--worker", choices=["horovod", "ddp"], help=argparse.SUPPRESS)
     for hidden in ("--iface", "--rows", "--opts", "--result", "--master"):
         ap.add_argument(hidden, help=argparse.SUPPRESS)
     ap.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.rendezvous:
-        return rendezvous_server()
+        return rendezvous_server(args.per_node)
     if args.worker == "horovod":
         return horovod_worker(args)
     if args.worker == "ddp":
@@ -400,23 +430,30 @@ def main():
     refuse_unless_able()
     # Ctrl-C or a kill reaches the finally blocks, so the namespaces always go.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    per_node, table = LAYOUTS[args.layout]
     rows = []
     with LinkPair() as link, tempfile.TemporaryDirectory() as tmp:
         for rate in rates:
             print(f"{rate}: tc tbf on both ends of the veth pair", flush=True)
             link.shape(RATES[rate])
             # uncompressed 32-bit traffic at this rate, times 4 for start-up and the slow rows
-            timeout = 600 + 4 * (opts["warmup"] + opts["steps"]) * opts["params_m"] * 32e6 / RATES[rate]
-            hv = [r for r in ROWS if r[1] != "ddp"]
-            run_horovod(link, hv, opts, os.path.join(tmp, "h.json"), timeout)
-            run_ddp(link, [r for r in ROWS if r[1] == "ddp"], opts, os.path.join(tmp, "d.json"),
-                    timeout)
-            for name in ("h.json", "d.json"):
-                with open(os.path.join(tmp, name)) as f:
+            timeout = 600 + 4 * per_node * (opts["warmup"] + opts["steps"]) * opts["params_m"] \
+                * 32e6 / RATES[rate]
+            hv = [r for r in table if r[1] != "ddp"]
+            run_horovod(link, hv, opts, os.path.join(tmp, "h.json"), timeout, per_node)
+            parts = ["h.json"]
+            ddp = [r for r in table if r[1] == "ddp"]
+            if ddp:
+                run_ddp(link, ddp, opts, os.path.join(tmp, "d.json"), timeout)
+                parts.append("d.json")
+            for part in parts:
+                with open(os.path.join(tmp, part)) as f:
                     rows += [{"rate": rate, **r} for r in json.load(f)]
-    settings = {**opts, "rates": rates, "ranks": 2, "threads_per_rank": 1,
+    settings = {**opts, "rates": rates, "ranks": 2 * per_node, "layout": args.layout,
+                "threads_per_rank": 1,
                 "network": "veth pair between two namespaces, tc tbf on both ends"}
-    report(rows, rates, settings, args.out)
+    report(rows, rates, settings, args.out, table,
+           "network" if args.layout == "1x2" else f"network_{args.layout}")
 
 
 if __name__ == "__main__":

@@ -106,3 +106,15 @@ def test_network_quick(tmp_path):
     assert [line for line in after.splitlines() if "hvdc-bench-" in line] == \
         [line for line in before.splitlines() if "hvdc-bench-" in line]
     assert "speedup" in proc.stdout
+
+
+@pytest.mark.skipif(NETWORK_UNAVAILABLE is not None, reason=f"{NETWORK_UNAVAILABLE}")
+def test_network_two_nodes_of_two_quick(tmp_path):
+    """The 4-rank layout: two namespaces of two ranks, the two-level rows included."""
+    import network
+    run("network.py", "--layout", "2x2", "--quick", "--params-m", "0.1", "--steps", "1",
+        "--rates", "10gbit", "--out", str(tmp_path))
+    data, rows = outputs(tmp_path, "network_2x2")
+    assert [r["row"] for r in rows] == [label for label, _, _ in network.ROWS_2X2]
+    assert data["settings"]["ranks"] == 4
+    assert all(float(r["ms_per_step"]) > 0 and int(r["bytes_per_step"]) > 0 for r in rows)
