@@ -26,6 +26,18 @@ compressed_allreduce (BytePS two-level compression, DeepSpeed 1-bit Adam, Bagua 
        the encoded chunks;
     5. every rank decodes all chunks into the gradient, so all ranks hold identical results.
     Bytes per rank: about 2(n-1)/n payloads, flat as ranks grow.
+homomorphic (THC, NSDI 2024), for quantisers with evenly spaced levels (minmax8, dithering with
+    linear levels, qsgd, terngrad):
+    1. ranks agree on one scale per block of the gradient: the max of |x| over all ranks, by a
+       small allreduce (op max) of every rank's block maxima;
+    2. each rank quantises with the shared scales into unsigned codes 0..L by unbiased
+       stochastic rounding, packed into lanes of int32 words wide enough that the sum of n
+       ranks' codes cannot carry into the next lane (lane bits: those of L * n);
+    3. Horovod's plain allreduce sums the words (it wraps modulo 2^32, lanes never carry), with
+       its own fusion, ring or tree, on any transport;
+    4. every rank decodes the summed words once.
+    No decode or encode in between, and no second error. Bytes per rank: 2(n-1)/n of the
+    words, which widen by log2(n) bits per element as ranks grow.
 two-level (`hierarchical=true`, for nodes of several ranks; Horovod's hierarchical allreduce
     splits the work the same way):
     1. the ranks of a node alltoall the gradient, uncompressed, so that local rank l holds the
@@ -54,6 +66,9 @@ HOMOMORPHIC = "homomorphic"
 _FAMILIES = {"allgather": (ALLGATHER,),
              "allreduce": (ALLREDUCE, COMPRESSED_ALLREDUCE, HOMOMORPHIC),
              "homomorphic": (HOMOMORPHIC,)}
+
+# Elements that share one agreed scale under the homomorphic strategy (minmax8: its chunk).
+HOMOMORPHIC_BLOCK = 4096
 
 # Chunk boundaries fall on multiples of this many elements, so no 64-bit word of packed sign
 # bits or codes straddles two owners and no chunk is split finer than a cache line of floats.
@@ -192,6 +207,17 @@ class Ops(Protocol):
     def walk(self, job: Job, gathered: Any, parts: list[Part], info: CodecInfo) -> list[int]: ...
     """Sizes of variable-size payloads (one per part) gathered back to back."""
 
+    def homo_source(self, job: Job, x: Any) -> Any: ...
+    """What the homomorphic strategy quantises: x, or x + the residual (kept in the residual)."""
+
+    def homo_absmax(self, job: Job, p: Any, block: int) -> Any: ...
+    def homo_encode(self, job: Job, p: Any, scales: Any, block: int, levels: int,
+                    seed_key: str) -> Any: ...
+    """int32 words of p's codes (error feedback: the residual becomes p - D(own codes))."""
+
+    def homo_decode(self, job: Job, words: Any, scales: Any, block: int, levels: int,
+                    alpha: float) -> Any: ...
+
     def finish(self, job: Job, pieces: list) -> Any: ...
     """The reduced gradient from the decoded parts, in order, shaped like the gradient."""
 
@@ -257,11 +283,30 @@ def wire_bytes(strategy: str, info: CodecInfo, itemsize: int, parts_whole: Part,
                                                       parts_whole.field_dict)
     if strategy == ALLGATHER:
         return (w - 1) * info.payload_bytes(itemsize, parts_whole.n, parts_whole.field_dict)
+    if strategy == HOMOMORPHIC:
+        levels, block = homomorphic_settings(info, parts_whole.field_dict)
+        n = parts_whole.n
+        words = homomorphic_words(n, levels, w)
+        return 2.0 * (w - 1) / w * 4 * (words + -(-n // block))
     if strategy == COMPRESSED_ALLREDUCE:
         first = sum(info.payload_bytes(itemsize, p.n, p.field_dict) for p in parts)
         second = sum(server_info(info).payload_bytes(itemsize, p.n, p.field_dict) for p in parts)
         return (w - 1) / w * (first + second)
     raise ValueError(f"unknown collective strategy {strategy!r}")
+
+
+def homomorphic_settings(info: CodecInfo, fields: dict) -> tuple[int, int]:
+    """(L, block): codes 0..L, one agreed scale per block."""
+    return info.homomorphic_levels(fields), fields.get("chunk", HOMOMORPHIC_BLOCK)
+
+
+def homomorphic_words(n: int, levels: int, ranks: int) -> int:
+    """int32 words for n codes whose sum over `ranks` ranks must fit its lane."""
+    lanes = 32 // (levels * ranks).bit_length()
+    if lanes < 1:
+        raise ValueError(f"homomorphic: {levels} levels over {ranks} ranks need "
+                         f"{(levels * ranks).bit_length()}-bit lanes, more than a 32-bit word")
+    return -(-n // lanes)
 
 
 def choose(job: Job) -> str:
@@ -338,6 +383,25 @@ def run_compressed_allreduce(job: Job, ops: Ops) -> Plan:
                             for pl, p in zip(pieces, owners)])
 
 
+def run_homomorphic(job: Job, ops: Ops) -> Plan:
+    info = job.info
+    part = whole(job)
+    levels, block = homomorphic_settings(info, part.field_dict)
+    # Stochastic rounding draws independently on every rank, whatever the codec's own seeding.
+    key = seed_name(f"{job.name}/homomorphic", job.rank, True)
+    p = ops.homo_source(job, ops.prepare(job))
+    # 1. one scale per block, agreed by all ranks
+    scales = yield Allreduce(ops.homo_absmax(job, p, block), job.opname + ".scales", "max")
+    # 2. codes packed into lanes that the sum over all ranks cannot overflow
+    words = ops.homo_encode(job, p, scales, block, levels, key)
+    job.payload_bytes = ops.size(words) + ops.size(scales)
+    # 3. Horovod's allreduce adds the words, lane by lane
+    summed = yield Allreduce(words, job.opname)
+    # 4. decoded once
+    alpha = 1.0 / job.world if job.average else 1.0
+    return ops.finish(job, [ops.homo_decode(job, summed, scales, block, levels, alpha)])
+
+
 def _inner(job: Job, shard: Any) -> Job:
     """The cross-node job of this rank's shard under the two-level strategy."""
     local_rank, local_size, cross_rank, cross_size = job.nodes
@@ -385,7 +449,8 @@ def run_two_level(job: Job, ops: Ops) -> Plan:
 
 TWO_LEVEL = "two_level"
 PLANS = {ALLREDUCE: run_allreduce, ALLGATHER: run_allgather,
-         COMPRESSED_ALLREDUCE: run_compressed_allreduce, TWO_LEVEL: run_two_level}
+         COMPRESSED_ALLREDUCE: run_compressed_allreduce, HOMOMORPHIC: run_homomorphic,
+         TWO_LEVEL: run_two_level}
 
 
 def plan(job: Job, ops: Ops) -> Plan:

@@ -262,6 +262,32 @@ class TorchCodec:
             off += size
         return sizes
 
+    def homo_source(self, job: Job, x: torch.Tensor) -> torch.Tensor:
+        if self.config.ef != "vanilla":
+            return x
+        e = self._slot(job.name, "ef", job.extra["grad"]).view(-1)
+        return e.add_(x)  # p = x + e, kept in the residual until encode takes D(own codes) off
+
+    @staticmethod
+    def homo_absmax(job: Job, p: torch.Tensor, block: int) -> torch.Tensor:
+        # A NaN block becomes inf: Horovod's max would not carry a NaN to every rank.
+        inf = float("inf")
+        return torch.nan_to_num(_C.homo_block_absmax(p, block), nan=inf, posinf=inf)
+
+    def homo_encode(self, job: Job, p: torch.Tensor, scales: torch.Tensor, block: int,
+                    levels: int, seed_key: str) -> torch.Tensor:
+        seed = derive_seed(self.config.seed, seed_key, job.step)
+        words = _C.homo_encode(p, scales, block, levels, job.world, seed)
+        if self.config.ef == "vanilla":  # e = p - D(own codes)
+            _C.homo_decode(words, scales, p, block, levels, job.world, 1, -1.0, True)
+        return words
+
+    def homo_decode(self, job: Job, words: torch.Tensor, scales: torch.Tensor, block: int,
+                    levels: int, alpha: float) -> torch.Tensor:
+        out = self._part_out(job, Part(0, job.n, (), ""))
+        _C.homo_decode(words, scales, out, block, levels, job.world, job.world, alpha, False)
+        return out
+
     def finish(self, job: Job, pieces: list) -> torch.Tensor:
         grad = job.extra["grad"]
         out = job.extra.get("out")
