@@ -77,11 +77,13 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/codecs.py
 	$(PY) bench/convergence.py
+	$(PY) bench/scaling.py
 	$(PY) bench/network.py
 
 bench-quick: $(STAMP)
 	$(PY) bench/codecs.py --quick
 	$(PY) bench/convergence.py --quick
+	$(PY) bench/scaling.py --quick
 	$(PY) bench/network.py --quick
 
 clean:

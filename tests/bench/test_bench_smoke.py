@@ -61,6 +61,22 @@ def test_convergence_quick(tmp_path):
     assert "EF within 1 point" in proc.stdout
 
 
+def test_scaling_quick(tmp_path):
+    import scaling
+    proc = run("scaling.py", "--quick", "--ranks", "2,3", "--steps", "1", "--out", str(tmp_path))
+    data, rows = outputs(tmp_path, "scaling")
+    labels = [label for label, _, _, _ in scaling.configurations()]
+    assert [(r["row"], int(r["ranks"])) for r in rows] == [(label, n) for n in (2, 3)
+                                                           for label in labels]
+    assert all(float(r["mb_per_rank"]) > 0 and float(r["optimal_mb"]) > 0 for r in rows)
+    # Measured, not modelled: at 3 ranks an allgather moves 2 payloads per rank, the compressed
+    # allreduce 4/3 of one.
+    at3 = {r["row"]: float(r["mb_per_rank"]) for r in rows if r["ranks"] == "3"}
+    assert at3["onebit allgather"] > at3["onebit allreduce"]
+    assert data["settings"]["ranks"] == [2, 3]
+    assert "Cost model, not measurement" in proc.stdout
+
+
 def network_unavailable():
     if os.geteuid() != 0:
         return "bench/network.py needs root"
