@@ -350,6 +350,8 @@ def run_allgather(job: Job, ops: Ops) -> Plan:
     job.extra["prescale"] = prescale
     payload = ops.encode_part(job, ops.prepare(job), part, info, "worker")
     job.payload_bytes = ops.size(payload)
+    if info.variable_size:  # the size formula gave the capacity; this is what is sent
+        job.wire_bytes = (job.world - 1) * job.payload_bytes
     gathered = yield Allgather(payload, job.opname, rows=not info.variable_size)
     return ops.finish(job, [ops.reduce_into(job, gathered, part, info, job.world, alpha)])
 
@@ -364,6 +366,8 @@ def run_compressed_allreduce(job: Job, ops: Ops) -> Plan:
     payloads = [ops.encode_part(job, x[p.start:p.stop], p, info, "worker") for p in parts]
     splits = [ops.size(pl) for pl in payloads]
     job.payload_bytes = sum(splits)
+    if info.variable_size:  # taking the owners' sums to be as sparse as what this rank sent
+        job.wire_bytes = 2.0 * (w - 1) / w * job.payload_bytes
     # 2. chunk j to rank j
     received = yield Alltoall(ops.concat(payloads), splits, job.opname + ".scatter")
     # 3. this rank's chunk: every rank's payload decoded and summed
