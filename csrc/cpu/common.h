@@ -107,6 +107,15 @@ void natural_encode(DType d, const void* x, int64_t n, const Params& p, void* pa
 void natural_aggregate(DType d, const void* payloads, int64_t ranks, int64_t stride, int64_t n,
                        void* out, double alpha, bool acc);
 }  // namespace quant
+namespace homo {
+// Arguments checked by dispatch.cc; w = homo_bits(levels, lane_ranks) <= 32.
+void block_absmax(DType d, const void* x, int64_t n, int64_t block, float* out);
+void encode(DType d, const void* x, int64_t n, int64_t block, const float* scales, int64_t levels,
+            int64_t lane_ranks, uint64_t seed, int32_t* words);
+void decode(DType d, const int32_t* words, int64_t n, int64_t block, const float* scales,
+            int64_t levels, int64_t lane_ranks, int64_t summands, void* out, double alpha,
+            bool acc);
+}  // namespace homo
 namespace sparse {
 int64_t threshold_capacity(DType d, int64_t n);
 int64_t threshold_used(DType d, const void* payload);
