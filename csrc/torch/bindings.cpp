@@ -430,15 +430,35 @@ at::Tensor homo_block_absmax(const at::Tensor& x, int64_t block) {
   return out;
 }
 
+// Words in a new tensor, or in `into` (reused across steps, a large payload skips the page
+// faults of fresh memory).
+void check_words(const at::Tensor& words, const Where& w, int64_t n, int64_t levels,
+                 int64_t lane_ranks) {
+  check_on(words, w, "words");
+  const int64_t want = hvdc::homo_words(n, levels, lane_ranks);
+  if (words.scalar_type() != at::kInt || !words.is_contiguous() || words.numel() != want)
+    throw hvdc::KernelError("words must be a contiguous int32 tensor of " + std::to_string(want) +
+                            " element(s) for " + std::to_string(n) + " elements at levels=" +
+                            std::to_string(levels) + ", lane_ranks=" + std::to_string(lane_ranks) +
+                            ", got " + std::string(c10::toString(words.scalar_type())) + "[" +
+                            std::to_string(words.numel()) + "]");
+}
+
 at::Tensor homo_encode(const at::Tensor& x, const at::Tensor& scales, int64_t block, int64_t levels,
-                       int64_t lane_ranks, uint64_t seed) {
+                       int64_t lane_ranks, uint64_t seed, std::optional<at::Tensor> into) {
   const Where w = where_of(x, "gradient");
   HVDC_GUARD(w);
   const auto d = dtype_of(x, "gradient");
   auto xc = x.contiguous();
   const int64_t n = xc.numel();
   check_scales(scales, w, n, block);
-  auto words = at::empty({hvdc::homo_words(n, levels, lane_ranks)}, xc.options().dtype(at::kInt));
+  at::Tensor words;
+  if (into) {
+    words = *into;
+    check_words(words, w, n, levels, lane_ranks);
+  } else {
+    words = at::empty({hvdc::homo_words(n, levels, lane_ranks)}, xc.options().dtype(at::kInt));
+  }
 #ifdef HVDC_WITH_CUDA
   if (w.cuda) {
     hvdc::gpu::homo_encode(d, xc.data_ptr(), n, block, scales.data_ptr<float>(), levels, lane_ranks,
@@ -460,14 +480,7 @@ void homo_decode(const at::Tensor& words, const at::Tensor& scales, at::Tensor& 
   const auto d = dtype_of(out, "output");
   const int64_t n = out.numel();
   check_scales(scales, w, n, block);
-  check_on(words, w, "words");
-  const int64_t want = hvdc::homo_words(n, levels, lane_ranks);
-  if (words.scalar_type() != at::kInt || !words.is_contiguous() || words.numel() != want)
-    throw hvdc::KernelError("words must be a contiguous int32 tensor of " + std::to_string(want) +
-                            " element(s) for " + std::to_string(n) + " elements at levels=" +
-                            std::to_string(levels) + ", lane_ranks=" + std::to_string(lane_ranks) +
-                            ", got " + std::string(c10::toString(words.scalar_type())) + "[" +
-                            std::to_string(words.numel()) + "]");
+  check_words(words, w, n, levels, lane_ranks);
 #ifdef HVDC_WITH_CUDA
   if (w.cuda)
     return hvdc::gpu::homo_decode(d, words.data_ptr<int32_t>(), n, block, scales.data_ptr<float>(),
@@ -529,7 +542,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("homo_blocks", &hvdc::homo_blocks, py::arg("n"), py::arg("block"));
   m.def("homo_block_absmax", &homo_block_absmax, G(), py::arg("x"), py::arg("block"));
   m.def("homo_encode", &homo_encode, G(), py::arg("x"), py::arg("scales"), py::arg("block"),
-        py::arg("levels"), py::arg("lane_ranks"), py::arg("seed"));
+        py::arg("levels"), py::arg("lane_ranks"), py::arg("seed"), py::arg("words") = py::none());
   m.def("homo_decode", &homo_decode, G(), py::arg("words"), py::arg("scales"), py::arg("out"),
         py::arg("block"), py::arg("levels"), py::arg("lane_ranks"), py::arg("summands"),
         py::arg("alpha"), py::arg("accumulate"));

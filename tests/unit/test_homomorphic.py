@@ -233,6 +233,17 @@ def test_non_contiguous_input_is_read_in_order():
                        _C.homo_encode(x.contiguous(), s, 128, 255, 8, 4))
 
 
+def test_encode_into_a_reused_tensor():
+    x = random_grad(1000, "float32", seed=6)
+    s = scales_of(x, 128)
+    words = torch.full((_C.homo_words(1000, 255, 8),), -1, dtype=torch.int32)
+    got = _C.homo_encode(x, s, 128, 255, 8, 3, words=words)
+    assert got.data_ptr() == words.data_ptr()
+    assert torch.equal(words, _C.homo_encode(x, s, 128, 255, 8, 3))
+    with pytest.raises(ValueError, match=r"words must be a contiguous int32 tensor of 500 "):
+        _C.homo_encode(x, s, 128, 255, 8, 3, words=words[:10])
+
+
 def test_bad_arguments_are_refused():
     x = torch.ones(10)
     s = scales_of(x, 4)
