@@ -53,7 +53,7 @@ test-ranks: $(STAMP)
 
 # Kernels run twice: on the AVX2 paths and on the portable scalar paths.
 test-unit: $(STAMP)
-	HVDC_FORCE_SCALAR=1 $(LIMIT) $(PY) $(PYTEST) tests/unit/test_kernels.py tests/unit/test_quantizers.py tests/unit/test_sparse.py
+	HVDC_FORCE_SCALAR=1 $(LIMIT) $(PY) $(PYTEST) tests/unit/test_kernels.py tests/unit/test_quantizers.py tests/unit/test_sparse.py tests/unit/test_homomorphic.py
 	$(LIMIT) $(PY) $(PYTEST) tests/unit
 
 # The benchmark scripts end to end on tiny sizes (the network one needs root and namespaces).

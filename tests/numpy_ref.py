@@ -449,3 +449,101 @@ def ef_encode(codec: str, x: np.ndarray, e: np.ndarray, dtype: str, prescale: fl
     payload = encode(codec, p, dtype, prescale=prescale, **enc_kw)
     dec_kw = {k: v for k, v in kw.items() if k in ("k", "seed", "rescale")}
     return payload, decode(codec, payload, x.size, dtype, -1.0 / prescale, out=p, **dec_kw)
+
+
+# ---- homomorphic quantisation (THC) --------------------------------------------------------
+def homo_lane_bits(levels: int, lane_ranks: int) -> int:
+    """Smallest w with 2^w > levels * lane_ranks."""
+    return (levels * lane_ranks).bit_length()
+
+
+def homo_lanes(levels: int, lane_ranks: int) -> int:
+    return 32 // homo_lane_bits(levels, lane_ranks)
+
+
+def homo_words(n: int, levels: int, lane_ranks: int) -> int:
+    return -(-n // homo_lanes(levels, lane_ranks))
+
+
+def _block_of(n: int, block: int) -> np.ndarray:
+    return np.arange(n, dtype=np.int64) // block
+
+
+def homo_block_absmax(x: np.ndarray, dtype: str, block: int) -> np.ndarray:
+    """max |x| per block of the float32 view of x; NaN (0x7fc00000) for a block holding a NaN."""
+    xv = to_acc(x, dtype).astype(np.float32)
+    nb = -(-xv.size // block)
+    out = np.zeros(nb, np.float32)
+    if xv.size:
+        with np.errstate(invalid="ignore"):
+            np.maximum.at(out, _block_of(xv.size, block), np.abs(xv))
+        bad = np.zeros(nb, bool)
+        np.logical_or.at(bad, _block_of(xv.size, block), np.isnan(xv))
+        out[bad] = np.uint32(0x7FC00000).view(np.float32)
+    return out
+
+
+def homo_codes(x: np.ndarray, dtype: str, scales: np.ndarray, block: int, levels: int,
+               seed: int) -> np.ndarray:
+    """c in [0, levels]: t = (v / M + 1) * (levels / 2) in float32, clamped to [0, levels]
+    (NaN to 0), rounded up when u < t - floor(t); 0 where M is not in (0, inf)."""
+    xv = to_acc(x, dtype).astype(np.float32)
+    n = xv.size
+    m = np.asarray(scales, np.float32)[_block_of(n, block)]
+    usable = (m > 0) & np.isfinite(m)
+    lf = np.float32(levels)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        t = (xv / np.where(usable, m, np.float32(1)) + np.float32(1)) * (lf * np.float32(0.5))
+    t = np.where(t > 0, t, np.float32(0))
+    t = np.where(t < lf, t, lf)
+    f = np.floor(t)
+    c = f.astype(np.int64) + (uniform(seed, n) < t - f)
+    return np.where(usable, c, 0)
+
+
+def homo_pack(codes: np.ndarray, levels: int, lane_ranks: int) -> np.ndarray:
+    w, lanes = homo_lane_bits(levels, lane_ranks), homo_lanes(levels, lane_ranks)
+    nw = -(-codes.size // lanes)
+    padded = np.zeros(nw * lanes, np.uint64)
+    padded[:codes.size] = codes
+    shifts = np.arange(lanes, dtype=np.uint64) * np.uint64(w)
+    words = (padded.reshape(nw, lanes) << shifts).sum(axis=1, dtype=np.uint64)
+    return words.astype(np.uint32).view(np.int32)
+
+
+def homo_unpack(words: np.ndarray, n: int, levels: int, lane_ranks: int) -> np.ndarray:
+    w, lanes = homo_lane_bits(levels, lane_ranks), homo_lanes(levels, lane_ranks)
+    u = np.asarray(words, np.int32).view(np.uint32).astype(np.uint64)
+    shifts = np.arange(lanes, dtype=np.uint64) * np.uint64(w)
+    return ((u[:, None] >> shifts) & np.uint64((1 << w) - 1)).reshape(-1)[:n].astype(np.int64)
+
+
+def homo_encode(x: np.ndarray, dtype: str, scales: np.ndarray, block: int, levels: int,
+                lane_ranks: int, seed: int) -> np.ndarray:
+    return homo_pack(homo_codes(x, dtype, scales, block, levels, seed), levels, lane_ranks)
+
+
+def homo_values(words: np.ndarray, n: int, scales: np.ndarray, block: int, levels: int,
+                lane_ranks: int, summands: int) -> np.ndarray:
+    """float64 vd per element: M * ((2S - sL) / L); +0 where M == 0; NaN where M is NaN, inf
+    or negative, or the lane sum S exceeds sL = summands * levels."""
+    s = homo_unpack(words, n, levels, lane_ranks)
+    sl = summands * levels
+    m = np.asarray(scales, np.float32)[_block_of(n, block)].astype(np.float64)
+    vd = m * ((2 * s - sl).astype(np.float64) / np.float64(levels))
+    vd = np.where(m == 0, 0.0, vd)
+    bad = ~(m >= 0) | ~np.isfinite(m) | (s > sl)
+    return np.where(bad, np.float64(np.nan), vd)
+
+
+def homo_decode(words: np.ndarray, n: int, dtype: str, scales: np.ndarray, block: int,
+                levels: int, lane_ranks: int, summands: int, alpha: float = 1.0,
+                out: np.ndarray | None = None) -> np.ndarray:
+    """alpha * vd in the accumulator type (vd rounded to it first), or out + that."""
+    A = acc_type(dtype)
+    vd = homo_values(words, n, scales, block, levels, lane_ranks, summands)
+    with np.errstate(over="ignore"):  # float16 overflows to inf, as the kernels' cast does
+        terms = A(alpha) * vd.astype(A)
+        if out is None:
+            return from_acc(terms, dtype)
+        return from_acc(to_acc(out, dtype) + terms, dtype)

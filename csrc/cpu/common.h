@@ -2,6 +2,8 @@
 // hvdc/element.h, shared with the CUDA kernels.
 #pragma once
 
+#include <immintrin.h>
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -30,6 +32,30 @@ template <class T> inline void prefetch_ahead(const T* p) {
 constexpr int64_t kStreamingBytes = 8 << 20;
 inline bool stream_to(const void* y, int64_t bytes) {
   return bytes >= kStreamingBytes && (reinterpret_cast<uintptr_t>(y) & 31) == 0;
+}
+
+// AVX2 draws of uniform(), shared by the stochastic quantisers (quant.cc, homomorphic.cc).
+// Keys of hash indices h..h+7 (see uniform() in hvdc/element.h); walking the gradient,
+// callers advance them by 8 * 0x9e3779b1 rather than multiply again.
+__attribute__((target("avx2"))) inline __m256i uniform_keys8(uint64_t seed, int64_t h) {
+  const __m256i idx = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(h)),
+                                       _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  return _mm256_add_epi32(_mm256_mullo_epi32(idx, _mm256_set1_epi32(0x9e3779b1u)),
+                          _mm256_set1_epi32(static_cast<int32_t>(seed)));
+}
+
+// uniform() of the 16 elements whose hash keys are `key`: first 8 in *lo, next 8 in *hi.
+__attribute__((target("avx2"))) inline void uniform16(uint64_t seed, __m256i key, __m256* lo,
+                                                      __m256* hi) {
+  __m256i h = _mm256_xor_si256(key, _mm256_set1_epi32(static_cast<int32_t>(seed >> 32)));
+  h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
+  h = _mm256_mullo_epi32(h, _mm256_set1_epi32(0x85ebca6bu));
+  h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 13));
+  h = _mm256_mullo_epi32(h, _mm256_set1_epi32(0xc2b2ae35u));
+  h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
+  const __m256 unit = _mm256_set1_ps(1.0f / 65536.0f);
+  *lo = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(h, _mm256_set1_epi32(0xffff))), unit);
+  *hi = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(h, 16)), unit);
 }
 
 // Per-codec entry points (one file each).
@@ -81,6 +107,15 @@ void natural_encode(DType d, const void* x, int64_t n, const Params& p, void* pa
 void natural_aggregate(DType d, const void* payloads, int64_t ranks, int64_t stride, int64_t n,
                        void* out, double alpha, bool acc);
 }  // namespace quant
+namespace homo {
+// Arguments checked by dispatch.cc; w = homo_bits(levels, lane_ranks) <= 32.
+void block_absmax(DType d, const void* x, int64_t n, int64_t block, float* out);
+void encode(DType d, const void* x, int64_t n, int64_t block, const float* scales, int64_t levels,
+            int64_t lane_ranks, uint64_t seed, int32_t* words);
+void decode(DType d, const int32_t* words, int64_t n, int64_t block, const float* scales,
+            int64_t levels, int64_t lane_ranks, int64_t summands, void* out, double alpha,
+            bool acc);
+}  // namespace homo
 namespace sparse {
 int64_t threshold_capacity(DType d, int64_t n);
 int64_t threshold_used(DType d, const void* payload);

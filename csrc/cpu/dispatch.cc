@@ -76,6 +76,28 @@ void check_common(CodecId c, DType d, int64_t n, const Params& p) {
   }
 }
 
+// Homomorphic quantisation: the checks every entry point makes (summands < 0: not a decode).
+void check_homo(int64_t n, int64_t block, int64_t levels, int64_t lane_ranks, int64_t summands) {
+  if (n < 0) throw KernelError("homomorphic: element count must be >= 0, got " + std::to_string(n));
+  if (block < 1) throw KernelError("homomorphic: block must be >= 1, got " + std::to_string(block));
+  if (levels < 1 || levels > 65535)
+    throw KernelError("homomorphic: levels must be in [1, 65535], got " + std::to_string(levels));
+  if (lane_ranks < 1)
+    throw KernelError("homomorphic: lane_ranks must be >= 1, got " + std::to_string(lane_ranks));
+  // levels < 2^16 and lane_ranks < 2^63: the product fits 128 bits.
+  const unsigned __int128 top = static_cast<unsigned __int128>(levels) * lane_ranks;
+  int w = 0;
+  while ((top >> w) != 0) ++w;
+  if (w > 32)
+    throw KernelError("homomorphic: levels=" + std::to_string(levels) + " with lane_ranks=" +
+                      std::to_string(lane_ranks) + " needs lanes of w=" + std::to_string(w) +
+                      " bits (2^w > levels * lane_ranks), more than an int32 word holds (32): "
+                      "lower levels or lane_ranks");
+  if (summands >= 0 && (summands < 1 || summands > lane_ranks))
+    throw KernelError("homomorphic: summands must be in [1, lane_ranks] = [1, " +
+                      std::to_string(lane_ranks) + "], got " + std::to_string(summands));
+}
+
 }  // namespace
 
 void check_tag(const void* payload, CodecId c, DType d, int64_t rank) {
@@ -96,6 +118,11 @@ void check_tag(const void* payload, CodecId c, DType d, int64_t rank) {
 namespace gpu {
 
 void check_args(CodecId c, DType d, int64_t n, const Params& p) { check_common(c, d, n, p); }
+
+void homo_check_args(int64_t n, int64_t block, int64_t levels, int64_t lane_ranks,
+                     int64_t summands) {
+  check_homo(n, block, levels, lane_ranks, summands);
+}
 
 void check_header(CodecId c, DType d, const uint8_t* h, const Params& p, int64_t rank) {
   check_tag(h, c, d, rank);
@@ -254,6 +281,40 @@ void ef_encode(CodecId c, DType d, const void* x, void* e, float* carry, int64_t
   encode(c, d, e, n, p, payload);
   // D undoes the prescale, so the residual is measured in gradient units.
   decode(c, d, payload, n, p, e, -1.0 / p.prescale, true);
+}
+
+int32_t homo_lane_bits(int64_t levels, int64_t lane_ranks) {
+  check_homo(0, 1, levels, lane_ranks, -1);
+  return homo_bits(levels, lane_ranks);
+}
+
+int64_t homo_words(int64_t n, int64_t levels, int64_t lane_ranks) {
+  check_homo(n, 1, levels, lane_ranks, -1);
+  const int64_t lanes = 32 / homo_bits(levels, lane_ranks);
+  return n / lanes + (n % lanes != 0);
+}
+
+int64_t homo_blocks(int64_t n, int64_t block) {
+  check_homo(n, block, 1, 1, -1);
+  return n / block + (n % block != 0);
+}
+
+void homo_block_absmax(DType d, const void* x, int64_t n, int64_t block, float* out) {
+  check_homo(n, block, 1, 1, -1);
+  homo::block_absmax(d, x, n, block, out);
+}
+
+void homo_encode(DType d, const void* x, int64_t n, int64_t block, const float* scales,
+                 int64_t levels, int64_t lane_ranks, uint64_t seed, int32_t* words) {
+  check_homo(n, block, levels, lane_ranks, -1);
+  homo::encode(d, x, n, block, scales, levels, lane_ranks, seed, words);
+}
+
+void homo_decode(DType d, const int32_t* words, int64_t n, int64_t block, const float* scales,
+                 int64_t levels, int64_t lane_ranks, int64_t summands, void* out, double alpha,
+                 bool accumulate) {
+  check_homo(n, block, levels, lane_ranks, summands);
+  homo::decode(d, words, n, block, scales, levels, lane_ranks, summands, out, alpha, accumulate);
 }
 
 void nesterov(DType d, void* x, void* m, int64_t n, double mu) {

@@ -34,29 +34,6 @@ int bits_for(int64_t s) { return dither_bits(s); }
 
 int64_t code_bytes(int64_t n, int b) { return ((n + 7) / 8 * b + 7) / 8 * 8; }
 
-// Keys of hash indices h..h+7 (see uniform() in hvdc/element.h); walking the gradient,
-// callers advance them by 8 * 0x9e3779b1 rather than multiply again.
-__attribute__((target("avx2"))) inline __m256i uniform_keys8(uint64_t seed, int64_t h) {
-  const __m256i idx = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(h)),
-                                       _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-  return _mm256_add_epi32(_mm256_mullo_epi32(idx, _mm256_set1_epi32(0x9e3779b1u)),
-                          _mm256_set1_epi32(static_cast<int32_t>(seed)));
-}
-
-// uniform() of the 16 elements whose hash keys are `key`: first 8 in *lo, next 8 in *hi.
-__attribute__((target("avx2"))) inline void uniform16(uint64_t seed, __m256i key, __m256* lo,
-                                                      __m256* hi) {
-  __m256i h = _mm256_xor_si256(key, _mm256_set1_epi32(static_cast<int32_t>(seed >> 32)));
-  h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
-  h = _mm256_mullo_epi32(h, _mm256_set1_epi32(0x85ebca6bu));
-  h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 13));
-  h = _mm256_mullo_epi32(h, _mm256_set1_epi32(0xc2b2ae35u));
-  h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
-  const __m256 unit = _mm256_set1_ps(1.0f / 65536.0f);
-  *lo = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(h, _mm256_set1_epi32(0xffff))), unit);
-  *hi = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(h, 16)), unit);
-}
-
 // Norm statistics of a float32 view of x: max|x|, and sums of x and x^2 in double over 16
 // lanes (lane = index mod 16) added pairwise at the end, so the result is one defined number.
 struct Stats {

@@ -161,6 +161,14 @@ void natural_encode(DType d, const void* x, int64_t n, const Params& p, void* pa
 void natural_aggregate(DType d, const void* payloads, int64_t ranks, int64_t stride, int64_t n,
                        void* out, double alpha, bool acc, cudaStream_t s);
 }  // namespace quant
+namespace homo {
+void block_absmax(DType d, const void* x, int64_t n, int64_t block, float* out, cudaStream_t s);
+void encode(DType d, const void* x, int64_t n, int64_t block, const float* scales, int64_t levels,
+            int64_t lane_ranks, uint64_t seed, int32_t* words, cudaStream_t s);
+void decode(DType d, const int32_t* words, int64_t n, int64_t block, const float* scales,
+            int64_t levels, int64_t lane_ranks, int64_t summands, void* out, double alpha,
+            bool acc, cudaStream_t s);
+}  // namespace homo
 namespace sparse {
 void topk_encode(DType d, const void* x, int64_t n, const Params& p, void* payload, cudaStream_t s);
 void topk_aggregate(DType d, const void* payloads, int64_t ranks, int64_t stride, int64_t n,

@@ -177,6 +177,26 @@ void encode_with_state(CodecId c, DType d, const void* x, void* const* state, in
   sparse::dgc_encode(d, x, state[0], state[1], n, p, payload, as_stream(stream));
 }
 
+void homo_block_absmax(DType d, const void* x, int64_t n, int64_t block, float* out,
+                       void* stream) {
+  homo_check_args(n, block, 1, 1, -1);
+  homo::block_absmax(d, x, n, block, out, as_stream(stream));
+}
+
+void homo_encode(DType d, const void* x, int64_t n, int64_t block, const float* scales,
+                 int64_t levels, int64_t lane_ranks, uint64_t seed, int32_t* words, void* stream) {
+  homo_check_args(n, block, levels, lane_ranks, -1);
+  homo::encode(d, x, n, block, scales, levels, lane_ranks, seed, words, as_stream(stream));
+}
+
+void homo_decode(DType d, const int32_t* words, int64_t n, int64_t block, const float* scales,
+                 int64_t levels, int64_t lane_ranks, int64_t summands, void* out, double alpha,
+                 bool accumulate, void* stream) {
+  homo_check_args(n, block, levels, lane_ranks, summands);
+  homo::decode(d, words, n, block, scales, levels, lane_ranks, summands, out, alpha, accumulate,
+               as_stream(stream));
+}
+
 void nesterov(DType d, void* x, void* m, int64_t n, double mu, void* stream) {
   if (n < 0) throw KernelError("element count must be >= 0, got " + std::to_string(n));
   cast::nesterov(d, x, m, n, mu, as_stream(stream));

@@ -297,6 +297,160 @@ class NesterovOp : public OpKernel {
   }
 };
 
+// Homomorphic quantisation (hvdc/kernels.h): per-block max |x|, codes on the agreed scales, and
+// the decode of words that hold `summands` ranks' codes (after Horovod's int32 allreduce).
+class HomoOp : public OpKernel {
+ public:
+  explicit HomoOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("block", &block_));
+  }
+
+ protected:
+  bool dtype(OpKernelContext* ctx, DataType t, hvdc::DType* d) {
+    if (to_hvdc(t, d)) return true;
+    ctx->CtxFailure(__FILE__, __LINE__,
+                    tensorflow::errors::InvalidArgument(
+                        "gradient dtype ", tensorflow::DataTypeString(t),
+                        " is not supported; valid: float32, float16, bfloat16, float64"));
+    return false;
+  }
+
+  // scales must hold one float per block of n elements.
+  static void check_scales(const Tensor& scales, int64_t n, int64_t block) {
+    const int64_t want = hvdc::homo_blocks(n, block);
+    if (scales.NumElements() != want)
+      throw hvdc::KernelError("scales must hold " + std::to_string(want) + " element(s) (one per " +
+                              "block of " + std::to_string(block) + " of " + std::to_string(n) +
+                              "), got " + std::to_string(scales.NumElements()));
+  }
+
+  tensorflow::int64 block_ = 1;
+};
+
+class HomoBlockAbsmaxOp : public HomoOp {
+ public:
+  using HomoOp::HomoOp;
+  void Compute(OpKernelContext* ctx) override {
+    CodecTimer timer;
+    const Tensor& x = ctx->input(0);
+    hvdc::DType d;
+    if (!dtype(ctx, x.dtype(), &d)) return;
+    int64_t blocks = 0;
+    HVDC_TF_TRY(ctx, blocks = hvdc::homo_blocks(x.NumElements(), block_));
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({blocks}), &out));
+    HVDC_TF_TRY(ctx, hvdc::homo_block_absmax(d, x.data(), x.NumElements(), block_,
+                                             out->flat<float>().data()));
+  }
+};
+
+class HomoEncodeOp : public HomoOp {
+ public:
+  explicit HomoEncodeOp(OpKernelConstruction* ctx) : HomoOp(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("levels", &levels_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("lane_ranks", &lane_ranks_));
+    tensorflow::int64 base = 0;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("seed_base", &base));
+    seed_base_ = static_cast<uint64_t>(base);
+  }
+  void Compute(OpKernelContext* ctx) override {
+    CodecTimer timer;
+    const Tensor& x = ctx->input(0);
+    const Tensor& scales = ctx->input(1);
+    hvdc::DType d;
+    if (!dtype(ctx, x.dtype(), &d)) return;
+    const int64_t n = x.NumElements();
+    const uint64_t seed =
+        hvdc::step_seed(seed_base_, ctx->input(2).scalar<tensorflow::int64>()());
+    int64_t nw = 0;
+    HVDC_TF_TRY(ctx, {
+      nw = hvdc::homo_words(n, levels_, lane_ranks_);
+      check_scales(scales, n, block_);
+    });
+    Tensor* words = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({nw}), &words));
+    HVDC_TF_TRY(ctx, hvdc::homo_encode(d, x.data(), n, block_, scales.flat<float>().data(), levels_,
+                                       lane_ranks_, seed, words->flat<tensorflow::int32>().data()));
+  }
+
+ private:
+  tensorflow::int64 levels_ = 0, lane_ranks_ = 0;
+  uint64_t seed_base_ = 0;
+};
+
+class HomoDecodeOp : public HomoOp {
+ public:
+  explicit HomoDecodeOp(OpKernelConstruction* ctx) : HomoOp(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("n", &n_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("levels", &levels_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("lane_ranks", &lane_ranks_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("summands", &summands_));
+  }
+  void Compute(OpKernelContext* ctx) override {
+    CodecTimer timer;
+    const Tensor& words = ctx->input(0);
+    const Tensor& scales = ctx->input(1);
+    const double alpha = ctx->input(2).scalar<double>()();
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({n_}), &out));
+    hvdc::DType d;
+    if (!dtype(ctx, out->dtype(), &d)) return;
+    HVDC_TF_TRY(ctx, {
+      const int64_t want = hvdc::homo_words(n_, levels_, lane_ranks_);
+      if (words.NumElements() != want)
+        throw hvdc::KernelError("words has " + std::to_string(words.NumElements()) +
+                                " element(s), " + std::to_string(n_) + " elements at levels=" +
+                                std::to_string(levels_) + ", lane_ranks=" +
+                                std::to_string(lane_ranks_) + " need " + std::to_string(want));
+      check_scales(scales, n_, block_);
+      hvdc::homo_decode(d, words.flat<tensorflow::int32>().data(), n_, block_,
+                        scales.flat<float>().data(), levels_, lane_ranks_, summands_, out->data(),
+                        alpha, false);
+    });
+  }
+
+ private:
+  tensorflow::int64 n_ = 0, levels_ = 0, lane_ranks_ = 0, summands_ = 0;
+};
+
+// Number of elements of input 0 when its shape is known, else -1.
+int64_t known_elements(InferenceContext* c) {
+  auto x = c->input(0);
+  if (!c->FullyDefined(x)) return -1;
+  int64_t n = 1;
+  for (int i = 0; i < c->Rank(x); ++i) n *= c->Value(c->Dim(x, i));
+  return n;
+}
+
+tensorflow::Status homo_absmax_shape(InferenceContext* c) {
+  tensorflow::int64 block;
+  TF_RETURN_IF_ERROR(c->GetAttr("block", &block));
+  const int64_t n = known_elements(c);
+  try {
+    c->set_output(0, c->Vector(n < 0 ? InferenceContext::kUnknownDim
+                                     : hvdc::homo_blocks(n, block)));
+  } catch (const std::exception& e) {
+    return tensorflow::errors::InvalidArgument(e.what());
+  }
+  return tensorflow::OkStatus();
+}
+
+tensorflow::Status homo_words_shape(InferenceContext* c) {
+  tensorflow::int64 block, levels, lane_ranks;
+  TF_RETURN_IF_ERROR(c->GetAttr("block", &block));
+  TF_RETURN_IF_ERROR(c->GetAttr("levels", &levels));
+  TF_RETURN_IF_ERROR(c->GetAttr("lane_ranks", &lane_ranks));
+  const int64_t n = known_elements(c);
+  try {
+    hvdc::homo_blocks(0, block);
+    c->set_output(0, c->Vector(n < 0 ? InferenceContext::kUnknownDim
+                                     : hvdc::homo_words(n, levels, lane_ranks)));
+  } catch (const std::exception& e) {
+    return tensorflow::errors::InvalidArgument(e.what());
+  }
+  return tensorflow::OkStatus();
+}
+
 // Payload length from the kernels' own payload_bytes, so graphs see static payload shapes
 // (Horovod's allgather and the stats need them).
 tensorflow::Status payload_shape(InferenceContext* c) {
@@ -429,6 +583,54 @@ REGISTER_OP("HvdcNesterov")
       return tensorflow::OkStatus();
     });
 
+REGISTER_OP("HvdcHomoBlockAbsmax")
+    .Input("x: T")
+    .Output("absmax: float")
+    .Attr("T: {float, half, bfloat16, double}")
+    .Attr("block: int")
+    .SetShapeFn(homo_absmax_shape);
+
+REGISTER_OP("HvdcHomoEncode")
+    .Input("x: T")
+    .Input("scales: float")
+    .Input("step: int64")
+    .Output("words: int32")
+    .Attr("T: {float, half, bfloat16, double}")
+    .Attr("block: int")
+    .Attr("levels: int")
+    .Attr("lane_ranks: int")
+    .Attr("seed_base: int = 0")
+    .SetShapeFn(homo_words_shape);
+
+REGISTER_OP("HvdcHomoDecode")
+    .Input("words: int32")
+    .Input("scales: float")
+    .Input("alpha: float64")
+    .Output("out: T")
+    .Attr("T: {float, half, bfloat16, double}")
+    .Attr("n: int")
+    .Attr("block: int")
+    .Attr("levels: int")
+    .Attr("lane_ranks: int")
+    .Attr("summands: int")
+    .SetShapeFn([](InferenceContext* c) {
+      tensorflow::int64 n, block, levels, lane_ranks, summands;
+      TF_RETURN_IF_ERROR(c->GetAttr("n", &n));
+      TF_RETURN_IF_ERROR(c->GetAttr("block", &block));
+      TF_RETURN_IF_ERROR(c->GetAttr("levels", &levels));
+      TF_RETURN_IF_ERROR(c->GetAttr("lane_ranks", &lane_ranks));
+      TF_RETURN_IF_ERROR(c->GetAttr("summands", &summands));
+      try {
+        hvdc::homo_blocks(n, block);
+        // no elements: only the argument checks run
+        hvdc::homo_decode(hvdc::kF32, nullptr, 0, block, nullptr, levels, lane_ranks, summands,
+                          nullptr, 1.0, false);
+      } catch (const std::exception& e) {
+        return tensorflow::errors::InvalidArgument(e.what());
+      }
+      return vector_n(c);
+    });
+
 REGISTER_OP("HvdcCodecTime")
     .Output("nanoseconds: int64")
     .SetIsStateful()
@@ -444,3 +646,7 @@ REGISTER_KERNEL_BUILDER(Name("HvdcAggregate").Device(tensorflow::DEVICE_CPU), Ag
 REGISTER_KERNEL_BUILDER(Name("HvdcEfEncode").Device(tensorflow::DEVICE_CPU), EfEncodeOp);
 REGISTER_KERNEL_BUILDER(Name("HvdcEfSettle").Device(tensorflow::DEVICE_CPU), EfSettleOp);
 REGISTER_KERNEL_BUILDER(Name("HvdcNesterov").Device(tensorflow::DEVICE_CPU), NesterovOp);
+REGISTER_KERNEL_BUILDER(Name("HvdcHomoBlockAbsmax").Device(tensorflow::DEVICE_CPU),
+                        HomoBlockAbsmaxOp);
+REGISTER_KERNEL_BUILDER(Name("HvdcHomoEncode").Device(tensorflow::DEVICE_CPU), HomoEncodeOp);
+REGISTER_KERNEL_BUILDER(Name("HvdcHomoDecode").Device(tensorflow::DEVICE_CPU), HomoDecodeOp);

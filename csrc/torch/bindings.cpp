@@ -400,6 +400,97 @@ void nesterov(at::Tensor& x, at::Tensor& m, double mu) {
   hvdc::nesterov(d, x.data_ptr(), m.data_ptr(), x.numel(), mu);
 }
 
+// Homomorphic quantisation: scales float32 [homo_blocks], words int32 [homo_words], on the
+// gradient's device.
+void check_scales(const at::Tensor& scales, const Where& w, int64_t n, int64_t block) {
+  check_on(scales, w, "scales");
+  const int64_t want = hvdc::homo_blocks(n, block);
+  if (scales.scalar_type() != at::kFloat || !scales.is_contiguous() || scales.numel() != want)
+    throw hvdc::KernelError("scales must be a contiguous float32 tensor of " +
+                            std::to_string(want) + " element(s) (one per block of " + std::to_string(block) + " of " +
+                            std::to_string(n) + "), got " +
+                            std::string(c10::toString(scales.scalar_type())) + "[" +
+                            std::to_string(scales.numel()) + "]");
+}
+
+at::Tensor homo_block_absmax(const at::Tensor& x, int64_t block) {
+  const Where w = where_of(x, "gradient");
+  HVDC_GUARD(w);
+  const auto d = dtype_of(x, "gradient");
+  auto xc = x.contiguous();
+  auto out = at::empty({hvdc::homo_blocks(xc.numel(), block)}, xc.options().dtype(at::kFloat));
+#ifdef HVDC_WITH_CUDA
+  if (w.cuda) {
+    hvdc::gpu::homo_block_absmax(d, xc.data_ptr(), xc.numel(), block, out.data_ptr<float>(),
+                                 w.stream);
+    return out;
+  }
+#endif
+  hvdc::homo_block_absmax(d, xc.data_ptr(), xc.numel(), block, out.data_ptr<float>());
+  return out;
+}
+
+// Words in a new tensor, or in `into` (reused across steps, a large payload skips the page
+// faults of fresh memory).
+void check_words(const at::Tensor& words, const Where& w, int64_t n, int64_t levels,
+                 int64_t lane_ranks) {
+  check_on(words, w, "words");
+  const int64_t want = hvdc::homo_words(n, levels, lane_ranks);
+  if (words.scalar_type() != at::kInt || !words.is_contiguous() || words.numel() != want)
+    throw hvdc::KernelError("words must be a contiguous int32 tensor of " + std::to_string(want) +
+                            " element(s) for " + std::to_string(n) + " elements at levels=" +
+                            std::to_string(levels) + ", lane_ranks=" + std::to_string(lane_ranks) +
+                            ", got " + std::string(c10::toString(words.scalar_type())) + "[" +
+                            std::to_string(words.numel()) + "]");
+}
+
+at::Tensor homo_encode(const at::Tensor& x, const at::Tensor& scales, int64_t block, int64_t levels,
+                       int64_t lane_ranks, uint64_t seed, std::optional<at::Tensor> into) {
+  const Where w = where_of(x, "gradient");
+  HVDC_GUARD(w);
+  const auto d = dtype_of(x, "gradient");
+  auto xc = x.contiguous();
+  const int64_t n = xc.numel();
+  check_scales(scales, w, n, block);
+  at::Tensor words;
+  if (into) {
+    words = *into;
+    check_words(words, w, n, levels, lane_ranks);
+  } else {
+    words = at::empty({hvdc::homo_words(n, levels, lane_ranks)}, xc.options().dtype(at::kInt));
+  }
+#ifdef HVDC_WITH_CUDA
+  if (w.cuda) {
+    hvdc::gpu::homo_encode(d, xc.data_ptr(), n, block, scales.data_ptr<float>(), levels, lane_ranks,
+                           seed, words.data_ptr<int32_t>(), w.stream);
+    return words;
+  }
+#endif
+  hvdc::homo_encode(d, xc.data_ptr(), n, block, scales.data_ptr<float>(), levels, lane_ranks, seed,
+                    words.data_ptr<int32_t>());
+  return words;
+}
+
+void homo_decode(const at::Tensor& words, const at::Tensor& scales, at::Tensor& out, int64_t block,
+                 int64_t levels, int64_t lane_ranks, int64_t summands, double alpha,
+                 bool accumulate) {
+  const Where w = where_of(out, "output");
+  HVDC_GUARD(w);
+  check_out(out, out, w, "output");
+  const auto d = dtype_of(out, "output");
+  const int64_t n = out.numel();
+  check_scales(scales, w, n, block);
+  check_words(words, w, n, levels, lane_ranks);
+#ifdef HVDC_WITH_CUDA
+  if (w.cuda)
+    return hvdc::gpu::homo_decode(d, words.data_ptr<int32_t>(), n, block, scales.data_ptr<float>(),
+                                  levels, lane_ranks, summands, out.data_ptr(), alpha, accumulate,
+                                  w.stream);
+#endif
+  hvdc::homo_decode(d, words.data_ptr<int32_t>(), n, block, scales.data_ptr<float>(), levels,
+                    lane_ranks, summands, out.data_ptr(), alpha, accumulate);
+}
+
 bool built_with_cuda() {
 #ifdef HVDC_WITH_CUDA
   return true;
@@ -446,5 +537,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("state_count", [](int64_t c) { return hvdc::state_count(static_cast<hvdc::CodecId>(c)); });
   m.def("nesterov", &nesterov, G());
   m.def("cpu_isa", &hvdc::cpu_isa);
+  m.def("homo_lane_bits", &hvdc::homo_lane_bits, py::arg("levels"), py::arg("lane_ranks"));
+  m.def("homo_words", &hvdc::homo_words, py::arg("n"), py::arg("levels"), py::arg("lane_ranks"));
+  m.def("homo_blocks", &hvdc::homo_blocks, py::arg("n"), py::arg("block"));
+  m.def("homo_block_absmax", &homo_block_absmax, G(), py::arg("x"), py::arg("block"));
+  m.def("homo_encode", &homo_encode, G(), py::arg("x"), py::arg("scales"), py::arg("block"),
+        py::arg("levels"), py::arg("lane_ranks"), py::arg("seed"), py::arg("words") = py::none());
+  m.def("homo_decode", &homo_decode, G(), py::arg("words"), py::arg("scales"), py::arg("out"),
+        py::arg("block"), py::arg("levels"), py::arg("lane_ranks"), py::arg("summands"),
+        py::arg("alpha"), py::arg("accumulate"));
   m.def("built_with_cuda", &built_with_cuda);
 }

@@ -256,3 +256,23 @@ def test_tensors_on_two_devices_are_refused():
     payload = _C.new_payload(K["fp16"], x, params())
     with pytest.raises(ValueError, match="one device"):
         _C.encode(K["fp16"], x.to(DEV), params(), payload)
+
+
+@pytest.mark.parametrize("dtype", DTYPES + ["float64"])
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("levels,lane_ranks,block", [(255, 8, 4096), (16, 3, 7), (1, 1, 1000),
+                                                     (255, 1, 256), (65535, 65537, 300)])
+def test_homomorphic_equals_cpu(levels, lane_ranks, block, n, dtype):
+    """Block maxima (a CUDA block per long block, a thread per short one), words and decodes."""
+    x = random_grad(n, dtype, seed=n + 5)
+    s_c, s_g = _C.homo_block_absmax(x, block), _C.homo_block_absmax(x.to(DEV), block)
+    assert_same(s_g, s_c, "homomorphic block max")
+    w_c = _C.homo_encode(x, s_c, block, levels, lane_ranks, 17)
+    w_g = _C.homo_encode(x.to(DEV), s_g, block, levels, lane_ranks, 17)
+    assert_same(w_g, w_c, "homomorphic words")
+    base = random_grad(n, dtype, seed=n + 6)
+    for summands, alpha, acc in ((1, 1.0, False), (lane_ranks, -0.5, True)):
+        out_c, out_g = base.clone(), base.to(DEV)
+        _C.homo_decode(w_c, s_c, out_c, block, levels, lane_ranks, summands, alpha, acc)
+        _C.homo_decode(w_g, s_g, out_g, block, levels, lane_ranks, summands, alpha, acc)
+        assert_same(out_g, out_c, f"homomorphic decode summands={summands} accumulate={acc}")

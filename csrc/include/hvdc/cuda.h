@@ -40,6 +40,16 @@ void encode_with_state(CodecId codec, DType dtype, const void* x, void* const* s
                        int64_t nstate, int64_t n, const Params& p, void* payload, void* stream);
 void nesterov(DType dtype, void* x, void* m, int64_t n, double mu, void* stream);
 
+// Homomorphic quantisation (hvdc/kernels.h), on device pointers: x, scales, words and out
+// all live on the GPU; homo_lane_bits / homo_words / homo_blocks are the CPU library's.
+void homo_block_absmax(DType dtype, const void* x, int64_t n, int64_t block, float* out,
+                       void* stream);
+void homo_encode(DType dtype, const void* x, int64_t n, int64_t block, const float* scales,
+                 int64_t levels, int64_t lane_ranks, uint64_t seed, int32_t* words, void* stream);
+void homo_decode(DType dtype, const int32_t* words, int64_t n, int64_t block, const float* scales,
+                 int64_t levels, int64_t lane_ranks, int64_t summands, void* out, double alpha,
+                 bool accumulate, void* stream);
+
 // PowerSGD on a batch of `batch` same-shape matrices in one launch per pass: g, e and out are
 // host arrays of `batch` device pointers; P ([batch, rows, r]) and Qt ([batch, r, cols]) are
 // stacked in device memory.
@@ -60,6 +70,9 @@ void check_args(CodecId codec, DType dtype, int64_t n, const Params& p);
 // The checks the CPU kernels make on a received payload's first 16 bytes (tag, and k, chunk or
 // levels where the codec records them), with the same messages.
 void check_header(CodecId codec, DType dtype, const uint8_t* header, const Params& p, int64_t rank);
+// The argument checks of the homomorphic entry points (summands < 0 for the calls without one).
+void homo_check_args(int64_t n, int64_t block, int64_t levels, int64_t lane_ranks,
+                     int64_t summands);
 
 }  // namespace gpu
 }  // namespace hvdc

@@ -46,6 +46,15 @@ HVDC_HD uint64_t f64_bits(double d) {
   return u;
 #endif
 }
+HVDC_HD double bits_f64(uint64_t u) {
+#if defined(__CUDA_ARCH__)
+  return __longlong_as_double(static_cast<long long>(u));
+#else
+  double d;
+  std::memcpy(&d, &u, 8);
+  return d;
+#endif
+}
 
 // Conversions are written out bit by bit (round to nearest even, NaN kept quiet) so results do
 // not depend on the compiler's, the GPU's or the framework's half-precision support.
@@ -217,6 +226,41 @@ HVDC_HD uint8_t natural_code(double v, double u, int32_t top, int32_t lowest, do
 HVDC_HD uint8_t minmax8_code(float v, float lo, float inv) {
   const float r = floorf((v - lo) * inv + 0.5f);
   return static_cast<uint8_t>(r >= 255.0f ? 255.0f : r > 0.0f ? r : 0.0f);
+}
+
+// Homomorphic quantisation (arithmetic in hvdc/kernels.h). A scale is usable for encoding when
+// 0 < m < inf; other blocks encode every code as 0.
+HVDC_HD bool homo_scale_usable(float m) { return m > 0.0f && m <= 3.40282347e+38f; }
+
+// Code in [0, levels] of v for a usable scale m; h = levels / 2 and lf = levels as floats.
+HVDC_HD int32_t homo_code(float v, float m, float h, float lf, float u) {
+  float t = (v / m + 1.0f) * h;
+  t = t > 0.0f ? t : 0.0f;  // a NaN v (only possible if m is not v's block max) codes as 0
+  t = t < lf ? t : lf;
+  return linear_level(t, u);
+}
+
+// Lane bits for levels * lane_ranks (<= 2^32 - 1 once checked): smallest w with 2^w > it.
+HVDC_HD int homo_bits(int64_t levels, int64_t lane_ranks) {
+  const uint64_t top = static_cast<uint64_t>(levels) * static_cast<uint64_t>(lane_ranks);
+  int w = 0;
+  while (w < 64 && (top >> w) != 0) ++w;
+  return w;
+}
+
+HVDC_HD double homo_nan() { return bits_f64(0x7ff8000000000000ull); }
+
+// (2s - sl) / levels for a lane sum s of `summands` codes, sl = summands * levels; the integer
+// difference is exact in double (|2s - sl| < 2^34).
+HVDC_HD double homo_ratio(uint32_t s, int64_t sl, int64_t levels) {
+  return static_cast<double>(2 * static_cast<int64_t>(s) - sl) / static_cast<double>(levels);
+}
+
+// Decoded value (before alpha) of lane sum s in a block with agreed scale m.
+HVDC_HD double homo_value(uint32_t s, int64_t sl, int64_t levels, float m) {
+  if (!(m >= 0.0f && m <= 3.40282347e+38f) || s > static_cast<uint64_t>(sl)) return homo_nan();
+  if (m == 0.0f) return 0.0;
+  return static_cast<double>(m) * homo_ratio(s, sl, levels);
 }
 
 }  // namespace hvdc

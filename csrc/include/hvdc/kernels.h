@@ -116,6 +116,49 @@ void powersgd_back_project(DType dtype, const void* m, int64_t rows, int64_t col
 void powersgd_reconstruct(DType dtype, const void* p, const void* qt, int64_t rows, int64_t cols,
                           int64_t r, void* out, double alpha, bool subtract_from_out);
 
+// Homomorphic quantisation (THC, Li et al., NSDI 2024; csrc/cpu/homomorphic.cc). Every rank
+// quantises with the same per-block scales, so the codes of all ranks can be summed by Horovod's
+// plain int32 allreduce and decoded once:
+//   1. homo_block_absmax on each rank, then the caller allreduces the per-block results with
+//      op=Max: M_b, the agreed scale of block b (elements b * block .. b * block + block - 1).
+//   2. homo_encode: unsigned codes c in [0, L] (L = levels), packed into int32 words.
+//   3. allreduce (sum) of the words: a lane sum of `ranks` codes never carries into the next
+//      lane, so the wrapped int32 sum of the words is the words of the lane sums.
+//   4. homo_decode with summands = ranks (or a rank's own words with summands = 1).
+//
+// Encode, element i of block b = i / block, all in float32 with each operation rounded:
+//   v = (float)x[i] (f16 / bf16 exactly, f64 rounded to nearest), M = scales[b]
+//   if !(0 < M < inf):  c = 0                          (zero, negative, NaN or inf scale)
+//   else:  t = (v / M + 1) * (L / 2);   t = t > 0 ? t : 0 (NaN too);   t = t < L ? t : L
+//          c = floor(t) + (u < t - floor(t) ? 1 : 0),  u = uniform(seed, i) (hvdc/element.h)
+// so E[c] = t and the decoded value below is unbiased for |x| <= M (to the 2^-16 grid of u).
+// Lanes: w = bit width of L * lane_ranks (smallest w with 2^w > L * lane_ranks, at most 32),
+// 32 / w lanes per word; element i sits in word i / lanes at bits (i % lanes) * w; unused lanes
+// and bits are zero.
+//
+// Decode, lane sum S of `summands` codes (1 <= summands <= lane_ranks), sL = summands * L:
+//   vd = NaN                                           if M is NaN, inf or < 0, or S > sL
+//   vd = +0                                            else if M == 0
+//   vd = (double)M * ((double)(2 * S - sL) / (double)L)   otherwise (2S - sL as an integer)
+//   out = alpha * (A)vd, or out = out + alpha * (A)vd with accumulate, A the accumulator type
+//   (float for 32-bit and narrower gradients, double for float64), alpha as an A.
+// A non-finite gradient is never hidden: homo_block_absmax reports its block as NaN (inf for
+// inf), the Max allreduce carries that to every rank (inf always; a NaN only when the reduction
+// propagates NaN, so callers should turn NaN into inf before reducing), and a non-finite M
+// decodes to NaN in the whole block. Unused bits above the last lane are ignored on decode.
+int32_t homo_lane_bits(int64_t levels, int64_t lane_ranks);
+// int32 words of one rank's payload for n elements.
+int64_t homo_words(int64_t n, int64_t levels, int64_t lane_ranks);
+// Blocks (entries of `scales`) for n elements: ceil(n / block).
+int64_t homo_blocks(int64_t n, int64_t block);
+// out[b] = max |(float)x| over block b; a canonical quiet NaN if the block holds a NaN.
+void homo_block_absmax(DType d, const void* x, int64_t n, int64_t block, float* out);
+void homo_encode(DType d, const void* x, int64_t n, int64_t block, const float* scales,
+                 int64_t levels, int64_t lane_ranks, uint64_t seed, int32_t* words);
+void homo_decode(DType d, const int32_t* words, int64_t n, int64_t block, const float* scales,
+                 int64_t levels, int64_t lane_ranks, int64_t summands, void* out, double alpha,
+                 bool accumulate);
+
 // Worker-side Nesterov momentum, in place on x: m = mu * m + x; x = mu * m + x.
 void nesterov(DType dtype, void* x, void* m, int64_t n, double mu);
 
