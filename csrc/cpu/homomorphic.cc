@@ -80,7 +80,7 @@ __attribute__((target("avx2,f16c"))) void codes_avx2(const T* x, int64_t i0, int
   const __m256i step8 = _mm256_set1_epi32(static_cast<int32_t>(8u * 0x9e3779b1u));
   __m256i key = uniform_keys8(seed, (i0 >> 4) << 3);
   for (int64_t j = 0; j < count; j += 32) {
-    // 32 elements span up to 4 cache lines; the prefetcher alone does not keep up with them all
+    // every cache line the step reads (1 to 4 of them, by dtype), not just the first
     const char* lines = reinterpret_cast<const char*>(x + i0 + j);
     for (size_t b = 0; b < 32 * sizeof(T); b += 64) prefetch_ahead(lines + b);
     __m256 us[4];
