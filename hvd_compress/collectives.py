@@ -75,13 +75,16 @@ HOMOMORPHIC_BLOCK = 4096
 CHUNK_ALIGN = 64
 
 
-def family(info: CodecInfo, collective: str) -> tuple[str, ...]:
-    """The codec's strategies that `collective` admits. auto: all of them, except that linear
-    codecs keep Horovod's allreduce. allreduce: ours (compressed or homomorphic) where the codec
-    has one, so that forcing it on fp16 sums in float32 instead of Horovod's half precision."""
+def family(info: CodecInfo, collective: str, fields: dict) -> tuple[str, ...]:
+    """The codec's strategies, for these kernel fields, that `collective` admits. auto: all of
+    them, except that linear codecs keep Horovod's allreduce. allreduce: ours (compressed or
+    homomorphic) where the codec has one, so that forcing it on fp16 sums in float32 instead of
+    Horovod's half precision."""
+    own = tuple(s for s in info.strategies
+                if s != HOMOMORPHIC or info.homomorphic_levels(fields) is not None)
     if collective == "auto":
-        return (ALLREDUCE,) if info.linear else info.strategies
-    admitted = tuple(s for s in info.strategies if s in _FAMILIES[collective])
+        return (ALLREDUCE,) if info.linear else own
+    admitted = tuple(s for s in own if s in _FAMILIES[collective])
     ours = tuple(s for s in admitted if s != ALLREDUCE)
     return ours or admitted
 
@@ -316,7 +319,7 @@ def choose(job: Job) -> str:
         job.wire_bytes = _inner(job, None).wire_bytes
         return TWO_LEVEL
     info = job.info
-    allowed = family(info, job.config.collective)
+    allowed = family(info, job.config.collective, whole(job).field_dict)
     if job.world == 1 or len(allowed) == 1:
         best = allowed[0]
     else:

@@ -97,7 +97,7 @@ class CodecInfo:
     frontends: tuple[str, ...] = ("torch", "tensorflow")
     strategies: tuple[str, ...] = ()
     server_codec: str | None = None
-    homomorphic_levels: Callable[[dict], int | None] | None = None
+    homomorphic_levels: Callable[[dict], int | None] | None = None  # of the kernel fields
     rounds: int = 1
 
     def __post_init__(self):
@@ -265,6 +265,15 @@ register(CodecInfo(
     rejects=(("rescale=true,ef=vanilla",
               "error feedback would carry the n/k-scaled values back as residual and grow them "
               "every step; use rescale=true without ef, or ef=vanilla with rescale=false"),)))
+# Quantisers with evenly spaced levels can also be summed as integer codes (homomorphic).
+_QUANTISER_STRATEGIES = ("allgather", "compressed_allreduce", "homomorphic")
+
+
+def _dither_levels(fields: dict) -> int | None:
+    """Codes 0..2s for linear levels; natural (power-of-two) levels are not evenly spaced."""
+    return 2 * fields["s"] if fields["partition"] == 0 else None
+
+
 register(CodecInfo(
     name="minmax8", kernel_id=8, collective="allgather", aggregation="mean",
     params=(Param("chunk", int, 4096, "an integer in [1, 2^31-1]",
@@ -272,7 +281,8 @@ register(CodecInfo(
     wire="[u32 tag][u32 chunk][f32 min, f32 max per chunk][u8 codes]",
     doc="8-bit min-max quantisation (Bagua ByteGrad): per chunk, 256 evenly spaced levels "
         "between its min and max, rounded to nearest",
-    bits_per_element=lambda isz: 8.0 + 64.0 / 4096))  # + a min/max pair per default chunk
+    bits_per_element=lambda isz: 8.0 + 64.0 / 4096,  # + a min/max pair per default chunk
+    strategies=_QUANTISER_STRATEGIES, homomorphic_levels=lambda f: 255))
 
 _DITHER_WIRE = ("[u32 tag][u8 s, partition, normalize, 0][f32 norm][u32 0][codes s+-level, "
                 "bit width of 2s each, 8 codes per that many bytes]")
@@ -285,13 +295,15 @@ register(CodecInfo(
     wire=_DITHER_WIRE,
     doc="random dithering (Horvath et al. 2019): |x|/norm rounded stochastically to one of s "
         "levels, unbiased; codes bit-packed",
-    bits_per_element=lambda isz: float(code_bits(8)), uses_seed=True, seed_per_rank=True))
+    bits_per_element=lambda isz: float(code_bits(8)), uses_seed=True, seed_per_rank=True,
+    strategies=_QUANTISER_STRATEGIES, homomorphic_levels=_dither_levels))
 register(CodecInfo(
     name="qsgd", kernel_id=9, collective="allgather", aggregation="mean",
     params=(levels_param(127),), wire=_DITHER_WIRE,
     doc="QSGD (Alistarh et al. 2017): dithering with s linear levels of |x|/||x||_2",
     bits_per_element=lambda isz: float(code_bits(127)), uses_seed=True, seed_per_rank=True,
-    fixed=(("partition", 0), ("normalize", 1))))
+    fixed=(("partition", 0), ("normalize", 1)),
+    strategies=_QUANTISER_STRATEGIES, homomorphic_levels=_dither_levels))
 register(CodecInfo(
     name="terngrad", kernel_id=9, collective="allgather", aggregation="mean",
     params=(Param("clip", float, 2.5, "a number > 0",
@@ -300,7 +312,8 @@ register(CodecInfo(
     doc="TernGrad (Wen et al. 2017): {-1, 0, +1} x max|x| after clipping at clip * std(x), "
         "stochastic and unbiased for the clipped gradient",
     bits_per_element=lambda isz: float(code_bits(1)), uses_seed=True, seed_per_rank=True,
-    fixed=(("s", 1), ("partition", 0), ("normalize", 2))))
+    fixed=(("s", 1), ("partition", 0), ("normalize", 2)),
+    strategies=_QUANTISER_STRATEGIES, homomorphic_levels=_dither_levels))
 register(CodecInfo(
     name="natural", kernel_id=10, collective="allgather", aggregation="mean", params=(),
     wire="[u32 tag][i32 top exponent][u8 sign << 7 | exponent code per element]",

@@ -193,7 +193,6 @@ def parse_spec(spec: Any) -> CompressionConfig:
         raise ValueError(f"seed must be in [0, 2^63), got {seed}")
 
     collective = _coerce("collective", str, items.pop("collective", "auto"))
-    _check_collective(info, collective)
     hierarchical = _coerce("hierarchical", bool, items.pop("hierarchical", False))
     if hierarchical and info.rounds != 1:
         raise ValueError(f"{info.name} runs its own {info.rounds}-round pipeline; "
@@ -209,6 +208,8 @@ def parse_spec(spec: Any) -> CompressionConfig:
             value = p.default
         params.append((p.name, value))
     _check_rejects(info, dict(params), ef, momentum)
+    fields = {p.name: p.kernel_value(v) for p, (_, v) in zip(info.params, params) if p.kernel}
+    _check_collective(info, collective, {**fields, **dict(info.fixed)})
     if items:
         bad = sorted(items)[0]
         valid = [p.describe() for p in info.params] + list(DECORATOR_KEYS)
@@ -217,13 +218,13 @@ def parse_spec(spec: Any) -> CompressionConfig:
                              mu=mu, seed=seed, collective=collective, hierarchical=hierarchical)
 
 
-def _check_collective(info: CodecInfo, collective: str) -> None:
+def _check_collective(info: CodecInfo, collective: str, fields: dict) -> None:
     if collective not in COLLECTIVE_CHOICES:
         raise ValueError(f"collective={collective!r} is not valid; valid: "
                          f"{', '.join(COLLECTIVE_CHOICES)}")
     from .collectives import family
-    if collective != "auto" and not family(info, collective):
-        valid = ["auto"] + [c for c in COLLECTIVE_CHOICES[1:] if family(info, c)]
+    if collective != "auto" and not family(info, collective, fields):
+        valid = ["auto"] + [c for c in COLLECTIVE_CHOICES[1:] if family(info, c, fields)]
         raise ValueError(f"{info.name} cannot travel by collective={collective}; valid for "
                          f"{info.name}: {', '.join(valid)}")
 

@@ -40,6 +40,8 @@ class Simulation:
             self.strategy = col.choose(self.job(0))
             if self.strategy == col.COMPRESSED_ALLREDUCE:
                 return self._compressed(grads)
+            if self.strategy == col.HOMOMORPHIC:
+                return self._homomorphic(grads)
 
         def seed(r):
             key = hc.seed_name(self.name, r, info.seed_per_rank)
@@ -121,6 +123,35 @@ class Simulation:
             out[a:b] = ref.decode(owner_info.name, pl, b - a, dtype, 1.0, k=f.get("k", 0))
         self.step += 1
         return out
+
+
+    def _homomorphic(self, grads):
+        """Shared per-block scales (max over ranks, NaN taken as inf), every rank's codes packed
+        into int32 lanes, the words summed as int32 with wraparound, decoded once."""
+        cfg, dtype, n, w = self.cfg, self.dtype, self.n, self.world
+        levels, block = col.homomorphic_settings(cfg.info, col.whole(self.job(0)).field_dict)
+        ps = []
+        for r, g in enumerate(grads):
+            x = g
+            if cfg.momentum == "nesterov":
+                x, self.m[r] = ref.nesterov(x, self.m[r], cfg.mu, dtype)
+            if cfg.ef == "vanilla":
+                x = ref.from_acc(ref.to_acc(x, dtype) + ref.to_acc(self.e[r], dtype), dtype)
+            ps.append(x)
+        maxima = [ref.homo_block_absmax(p, dtype, block) for p in ps]
+        scales = np.max([np.where(np.isnan(m), np.float32(np.inf), m) for m in maxima], axis=0)
+        words = []
+        for r, p in enumerate(ps):
+            seed = hc.derive_seed(cfg.seed, hc.seed_name(f"{self.name}/homomorphic", r, True),
+                                  self.step)
+            words.append(ref.homo_encode(p, dtype, scales, block, levels, w, seed))
+            if cfg.ef == "vanilla":
+                self.e[r] = ref.homo_decode(words[-1], n, dtype, scales, block, levels, w, 1,
+                                            -1.0, out=p)
+        total = np.sum([wd.astype(np.int64) for wd in words], axis=0) & 0xFFFFFFFF
+        summed = total.astype(np.uint32).view(np.int32)
+        self.step += 1
+        return ref.homo_decode(summed, n, dtype, scales, block, levels, w, w, 1.0 / w)
 
 
 def rank_sum(arrays):

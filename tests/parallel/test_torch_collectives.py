@@ -16,6 +16,7 @@ import torch
 from helpers import TORCH_DTYPES, n2t, ranks_marker, same_bits, t2n
 from simulation import Simulation, grads_for_step
 from hvd_compress import collectives as col
+import hvd_compress as hc
 import hvd_compress.torch as hvdc
 
 hvd.init()
@@ -64,8 +65,47 @@ def check_against_simulation(spec, n, dtype="float32", steps=3):
 def test_compressed_allreduce_equals_simulation(codec, n):
     spec = codec + ",collective=allreduce"
     opt, sim = check_against_simulation(spec, n)
+    # allreduce admits both of ours for the quantisers; on tensors this small the chunk headers
+    # can make the homomorphic one cheaper (test_large_quantiser_tensors_... pins the choice)
+    want = {col.COMPRESSED_ALLREDUCE, col.HOMOMORPHIC} & set(hc.get_codec(sim.cfg.codec).strategies)
+    assert sim.strategy in want
+    assert opt.compression_stats.tensors["w"].collective == sim.strategy
+
+
+@pytest.mark.parametrize("codec", ["minmax8", "dithering", "qsgd", "terngrad"])
+def test_large_quantiser_tensors_take_the_compressed_allreduce(codec):
+    """Under allreduce the quantisers' codes are narrower than the homomorphic lanes (which
+    widen by log2(ranks) bits), so beyond a few chunk headers the compressed allreduce wins."""
+    opt, sim = check_against_simulation(codec + ",collective=allreduce", 4096 * WORLD, steps=1)
     assert sim.strategy == col.COMPRESSED_ALLREDUCE
-    assert opt.compression_stats.tensors["w"].collective == col.COMPRESSED_ALLREDUCE
+
+
+# Quantisers with evenly spaced levels, summed as integer codes by Horovod's allreduce.
+HOMOMORPHIC = ["minmax8,chunk=64", "dithering,s=4", "qsgd", "terngrad",
+               "minmax8,ef=vanilla", "dithering,ef=vanilla,momentum=nesterov,seed=3"]
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("codec", HOMOMORPHIC)
+def test_homomorphic_allreduce_equals_simulation(codec, n):
+    opt, sim = check_against_simulation(codec + ",collective=homomorphic", n)
+    assert sim.strategy == col.HOMOMORPHIC
+    assert opt.compression_stats.tensors["w"].collective == col.HOMOMORPHIC
+
+
+def test_homomorphic_allreduce_is_unbiased():
+    """The mean over many steps (fresh stochastic rounding each step) of the reduced gradient
+    approaches the true mean: within 6 standard errors of a level gap on every element, where
+    nearest rounding would be off by up to half a gap."""
+    n, steps = 300, 200
+    p, opt = optimizer("terngrad,collective=homomorphic", n)
+    g = torch.linspace(-1, 1, n) * (RANK + 1)  # max |x| over ranks: WORLD, one block
+    true = sum(torch.linspace(-1, 1, n) * (r + 1) for r in range(WORLD)) / WORLD
+    total = torch.zeros(n, dtype=torch.float64)
+    for _ in range(steps):
+        total += reduce_step(p, opt, g.clone()).double()
+    gap = float(WORLD)  # terngrad: codes 0..2 over [-M, M], M = WORLD
+    assert torch.all((total / steps - true.double()).abs() <= 6 * gap / (2 * steps ** 0.5))
 
 
 @pytest.mark.parametrize("spec", ["onebit,ef=vanilla", "topk,k=0.05,ef=vanilla", "efsignsgd",
@@ -75,7 +115,8 @@ def test_compressed_allreduce_equals_simulation(codec, n):
 def test_worker_and_owner_residuals_over_steps_equal_simulation(spec):
     """Both residuals (each rank's for every chunk, each owner's for its own chunk) carry
     through four steps exactly as in the simulation."""
-    opt, sim = check_against_simulation(spec + ",collective=allreduce", 64 * WORLD + 37, steps=4)
+    opt, sim = check_against_simulation(spec + ",collective=allreduce", 512 * WORLD + 37, steps=4)
+    assert sim.strategy == col.COMPRESSED_ALLREDUCE
     state = opt.compression_state_dict()["slots"]["w"]
     owner = [k for k in state if k.startswith("owner_ef")]
     assert len(owner) == 1 and np.array_equal(state[owner[0]], sim.owner_e[RANK])
