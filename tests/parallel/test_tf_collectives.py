@@ -109,8 +109,11 @@ def test_worker_and_owner_residuals_over_steps_equal_simulation(spec):
 
 
 def test_worker_and_owner_residuals_in_a_graph_equal_simulation():
+    # The three ways state is kept: a sign codec's lazy carry, a plain residual, and momentum
+    # beside the residual (each trace costs seconds at 8 ranks on 2 cores).
+    specs = ["onebit,ef=vanilla", "topk,k=0.05,ef=vanilla", "minmax8,ef=vanilla,momentum=nesterov"]
     cases = [Case(spec + ",collective=allreduce", LARGE, name=f"w{i}")
-             for i, spec in enumerate(RESIDUAL_SPECS)]
+             for i, spec in enumerate(specs)]
     check_against_simulation(cases, steps=4, graph=True)
     for case in cases:
         check_residuals(case)
