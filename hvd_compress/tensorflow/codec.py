@@ -1,15 +1,18 @@
 """One codec bound to TensorFlow tensors: the same steps as hvd_compress.torch.codec, on the
-same kernels (as TF ops). State lives in tf.Variables created outside any tf.function
-(init_scope), so compress/decompress trace once and keep updating state on every call.
+same kernels (as TF ops), for the stock-protocol compressors (encode/decode) and for the
+reduction plans of hvd_compress.collectives (the `Ops` methods below). State lives in
+tf.Variables created outside any tf.function (init_scope), so compress/decompress trace once
+and keep updating state on every call.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import tensorflow as tf
 
-from ..registry import codecs
+from ..collectives import ALLREDUCE, COMPRESSED_ALLREDUCE, Job, Part, chunk_bounds
+from ..registry import CodecInfo, codecs
 from ..seeds import seed_base, seed_name
 from ..spec import CompressionConfig
 from ..state import StateStore
@@ -44,7 +47,22 @@ class Encoded:
     wire: tf.DType
 
 
+@dataclass
+class _Residual:
+    """A tensor's worker residual while a plan encodes its parts: read once, written once in
+    finish(), so a graph holds one read and one assignment of the variable however many chunks
+    the plan encodes."""
+    var: tf.Variable
+    parts: dict  # (start, stop) -> the residual of those elements, as read
+    carry_var: tf.Variable | None
+    carry: tf.Tensor
+    pieces: list = field(default_factory=list)
+
+
 class TFCodec:
+    """Variable-size codecs (threshold) run in the torch frontend only, so the plans never ask
+    this codec to walk() gathered payloads."""
+
     def __init__(self, config: CompressionConfig, store: StateStore | None, rank: int = 0):
         if "tensorflow" not in config.info.frontends:
             raise ValueError(f"codec {config.codec!r} is available in the PyTorch frontend only; "
@@ -57,9 +75,13 @@ class TFCodec:
 
     def attrs(self, name: str, n: int) -> dict:
         """Op attributes (see CompressionConfig.kernel_fields)."""
-        key = seed_name(name, self.rank, self.info.seed_per_rank)
-        base = _signed64(seed_base(self.config.seed, key)) if self.info.uses_seed else 0
-        return {"codec": self.info.kernel_id, "seed_base": base, **self.config.kernel_fields(n)}
+        return self._attrs(self.info, seed_name(name, self.rank, self.info.seed_per_rank),
+                           self.config.kernel_fields(n))
+
+    def _attrs(self, info: CodecInfo, seed_key: str, fields: dict) -> dict:
+        # The op derives each step's seed from seed_base and its step input, as derive_seed does.
+        base = _signed64(seed_base(self.config.seed, seed_key)) if info.uses_seed else 0
+        return {"codec": info.kernel_id, "seed_base": base, **fields}
 
     def wire_dtype(self, dtype: tf.DType) -> tf.DType:
         if not self.info.linear:
@@ -77,14 +99,10 @@ class TFCodec:
         else:
             step = tf.constant(0, tf.int64)
         pres = tf.constant(prescale, tf.float64)
-        if cfg.momentum == "nesterov":
-            m = self._slot(name, "momentum", grad)
-            flat, m_new = lib.hvdc_nesterov(flat, tf.reshape(m, [-1]), tf.constant(cfg.mu, tf.float64))
-            m.assign(tf.reshape(m_new, grad.shape))
+        flat = self._momentum(name, grad, flat)
         if cfg.ef == "vanilla":
             e = self._slot(name, "ef", grad)
-            carry = (self._slot(name, "ef_carry", tf.zeros([info.ef_carry])) if info.ef_carry
-                     else tf.zeros([0]))
+            carry = self._carry(name)
             payload, e_new, c_new = lib.hvdc_ef_encode(flat, tf.reshape(e, [-1]), carry, step, pres,
                                                        W=wire, **attrs)
             e.assign(tf.reshape(e_new, grad.shape))
@@ -95,6 +113,23 @@ class TFCodec:
         if not info.linear:
             payload = tf.reshape(payload, [1, -1])
         return Encoded(payload, step, attrs, n, grad.shape, grad.dtype, wire)
+
+    def _momentum(self, name: str, grad, flat):
+        """flat with Nesterov momentum applied when configured (the buffer is updated)."""
+        if self.config.momentum != "nesterov":
+            return flat
+        m = self._slot(name, "momentum", grad)
+        flat, m_new = lib.hvdc_nesterov(flat, tf.reshape(m, [-1]),
+                                        tf.constant(self.config.mu, tf.float64))
+        m.assign(tf.reshape(m_new, grad.shape))
+        return flat
+
+    def _carry(self, name: str):
+        """The sign codecs' lazy residual scale (a variable), or the empty input other codecs
+        take."""
+        if not self.info.ef_carry:
+            return tf.zeros([0])
+        return self._slot(name, "ef_carry", tf.zeros([self.info.ef_carry]))
 
     def _slot(self, name: str, kind: str, like):
         if self.store is None:
@@ -123,6 +158,102 @@ class TFCodec:
                 e_new, c_new = lib.hvdc_ef_settle(e, carry, codec=self.info.kernel_id)
                 e.assign(e_new)
                 carry.assign(c_new)
+
+    # ---- the reduction plans' operations (hvd_compress.collectives.Ops) -------------------------
+    def prepare(self, job: Job):
+        grad = job.extra["grad"]
+        check_gradient(grad)
+        return self._momentum(job.name, grad, tf.reshape(grad, [-1]))
+
+    def encode_part(self, job: Job, x, part: Part, info: CodecInfo, state: str | None):
+        attrs = self._part_attrs(part, info)
+        # Horovod sums an allreduced payload in its element type; every other collective only
+        # moves bytes, so the op writes them as bytes.
+        wire = self.wire_dtype(x.dtype) if job.strategy == ALLREDUCE else tf.uint8
+        pres = self._scalar(job, job.extra.get("prescale", 1.0))
+        if state == "worker" and self.config.ef == "vanilla":
+            return self._worker_ef_encode(job, x, part, info, attrs, wire, pres)
+        if state == "owner" and self.config.ef == "vanilla":
+            e = self._slot(job.name, f"owner_ef[{part.start}:{part.stop}]", x)
+            payload, e_new, carry = lib.hvdc_ef_encode(x, e, tf.zeros([info.ef_carry]), job.step,
+                                                       pres, W=wire, **attrs)
+            if info.ef_carry:  # no carry outlives the chunk: the owner residual is kept plain
+                e_new, _ = lib.hvdc_ef_settle(e_new, carry, codec=info.kernel_id)
+            e.assign(e_new)
+            return payload
+        return lib.hvdc_encode(x, job.step, pres, W=wire, **attrs)
+
+    def _worker_ef_encode(self, job: Job, x, part: Part, info: CodecInfo, attrs: dict, wire,
+                          pres):
+        res = job.extra.get("residual")
+        if res is None:
+            var = self._slot(job.name, "ef", job.extra["grad"])
+            carry = self._carry(job.name)
+            # Cut at the chunk bounds by one op rather than a slice (and its constants) per part.
+            bounds = (chunk_bounds(job.n, job.world) if job.strategy == COMPRESSED_ALLREDUCE
+                      else [0, job.n])
+            cuts = tf.split(tf.reshape(var, [-1]), np.diff(bounds).tolist())
+            res = job.extra["residual"] = _Residual(
+                var, dict(zip(zip(bounds, bounds[1:]), cuts)),
+                carry if self.info.ef_carry else None, tf.convert_to_tensor(carry))
+        payload, e_new, carry = lib.hvdc_ef_encode(x, res.parts[part.start, part.stop],
+                                                   res.carry, job.step, pres, W=wire, **attrs)
+        if job.strategy == COMPRESSED_ALLREDUCE and info.ef_carry:
+            # One carry serves the whole tensor but each chunk has its own scale: settle per
+            # chunk, as the torch frontend does, so both keep the same residual.
+            e_new, carry = lib.hvdc_ef_settle(e_new, carry, codec=info.kernel_id)
+        res.pieces.append(e_new)
+        res.carry = carry
+        return payload
+
+    def _part_attrs(self, part: Part, info: CodecInfo) -> dict:
+        return self._attrs(info, part.seed_key, part.field_dict)
+
+    @staticmethod
+    def _scalar(job: Job, value: float):
+        """A float64 op input, one constant per value and tensor (a plan passes the same scale
+        to every part; in a graph each constant is an op)."""
+        cache = job.extra.setdefault("scalars", {})
+        if value not in cache:
+            cache[value] = tf.constant(value, tf.float64)
+        return cache[value]
+
+    @staticmethod
+    def size(payload) -> int:
+        return payload.shape.num_elements() * payload.dtype.size
+
+    @staticmethod
+    def concat(tensors: list):
+        return tf.concat(tensors, 0)
+
+    @staticmethod
+    def split(t, sizes: list[int]) -> list:
+        return tf.split(tf.reshape(t, [-1]), sizes)
+
+    def reduce(self, job: Job, payloads, part: Part, info: CodecInfo, ranks: int, alpha: float):
+        # Payload sizes are static, so the rows are known in a graph too, and empty payloads
+        # (bf16 chunks past the end of a small tensor) need no size inferred.
+        per_rank = info.payload_bytes(job.itemsize, part.n, part.field_dict)
+        return lib.hvdc_aggregate(tf.reshape(payloads, [ranks, per_rank]),
+                                  self._scalar(job, alpha), T=job.extra["grad"].dtype,
+                                  n=part.n, **self._part_attrs(part, info))
+
+    reduce_into = reduce  # TF ops allocate their outputs
+
+    def decode_part(self, job: Job, payload, part: Part, info: CodecInfo, alpha: float):
+        return lib.hvdc_decode(payload, job.step, self._scalar(job, alpha),
+                               T=job.extra["grad"].dtype, n=part.n,
+                               **self._part_attrs(part, info))
+
+    @staticmethod
+    def finish(job: Job, pieces: list):
+        res = job.extra.pop("residual", None)
+        if res is not None:
+            res.var.assign(tf.reshape(tf.concat(res.pieces, 0), res.var.shape))
+            if res.carry_var is not None:
+                res.carry_var.assign(res.carry)
+        grad = job.extra["grad"]
+        return tf.reshape(pieces[0] if len(pieces) == 1 else tf.concat(pieces, 0), grad.shape)
 
 
 class TFAdapter:

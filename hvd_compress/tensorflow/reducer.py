@@ -1,5 +1,7 @@
-"""The per-gradient reduction shared by DistributedGradientTape and the Keras optimizer:
-compress -> allreduce or allgather -> decode or aggregate, state keyed by variable name."""
+"""The per-gradient reduction shared by DistributedGradientTape and the Keras optimizer: the
+strategy hvd_compress.collectives chooses for each tensor (allreduce, allgather or the
+compressed allreduce), its plan driven to the end at once with Horovod's TF collectives, state
+keyed by variable name."""
 from __future__ import annotations
 
 import re
@@ -8,6 +10,7 @@ from typing import Any
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
+from .. import collectives
 from ..compressor import CompressorBase
 from ..spec import CompressionConfig, parse_spec
 from ..state import StateStore
@@ -16,6 +19,7 @@ from .codec import DTYPE_NAMES, TFAdapter, TFCodec
 
 DEFAULT_MIN_COMPRESS_BYTES = 65536
 _OP_NAME = re.compile(r"[^A-Za-z0-9_.\-/]")
+_OPS = {"sum": hvd.Sum, "max": hvd.Max}
 
 
 def parameter_name(var) -> str:
@@ -54,6 +58,9 @@ class Reducer:
     def _rank(self) -> int:
         return self.process_set.rank() if self.process_set.included() else 0
 
+    # Nothing here branches on a tensor's value (tf.cond is explicit), and autograph would
+    # otherwise transpile every function the plans call, seconds per trace.
+    @tf.autograph.experimental.do_not_convert
     def reduce(self, grads, variables):
         return [self._reduce_one(g, v) for g, v in zip(grads, variables)]
 
@@ -68,6 +75,21 @@ class Reducer:
     def _plain(self, grad, opname):
         return hvd.allreduce(grad, op=self.op, name=opname, process_set=self.process_set)
 
+    def _perform(self, request):
+        """One collective a plan asks for. A graph runs Horovod's ops asynchronously itself, so
+        the plan resumes at once with the symbolic result."""
+        ps = self.process_set
+        if isinstance(request, collectives.Allreduce):
+            return hvd.allreduce(request.tensor, op=_OPS[request.op], name=request.name,
+                                 process_set=ps)
+        if isinstance(request, collectives.Allgather):
+            # As [1, bytes] rows, Horovod refuses ranks whose payload sizes differ.
+            t = tf.reshape(request.tensor, [1, -1]) if request.rows else request.tensor
+            return hvd.allgather(t, name=request.name, process_set=ps)
+        received, _ = hvd.alltoall(request.tensor, splits=tf.constant(request.splits, tf.int32),
+                                   name=request.name, process_set=ps)
+        return received
+
     def _reduce_one(self, grad, var):
         if grad is None:
             return None
@@ -78,22 +100,25 @@ class Reducer:
                 or grad.dtype not in DTYPE_NAMES or grad.shape.num_elements() is None
                 or nbytes < self.min_bytes):
             if not isinstance(grad, tf.IndexedSlices):
-                self.stats.record(name, "none", nbytes, nbytes)
+                self.stats.record(name, "none", nbytes, nbytes, collectives.ALLREDUCE,
+                                  _ring_allreduce_bytes(nbytes, self.process_set.size()))
             return self._plain(grad, opname)
 
         def compressed():
-            info = self.codec.info
-            prescale, alpha = info.average_factors(self.op == hvd.Average,
-                                                   self.process_set.size())
-            enc = self.codec.encode(name, grad, prescale=prescale)
-            sent = enc.payload.shape.num_elements() * enc.payload.dtype.size
-            self.stats.record(name, info.name, nbytes, sent)
-            if info.linear:
-                reduced = hvd.allreduce(enc.payload, op=hvd.Sum, name=opname,
-                                        process_set=self.process_set)
-                return self.codec.decode(reduced, enc, alpha)
-            gathered = hvd.allgather(enc.payload, name=opname, process_set=self.process_set)
-            return self.codec.aggregate(gathered, enc, alpha)
+            info, ps = self.codec.info, self.process_set
+            # Only seeded codecs read the step, so only they keep a counter variable.
+            step = (self.store.next_step(name) if info.uses_seed
+                    else tf.constant(0, tf.int64))
+            job = collectives.Job(name=name, n=grad.shape.num_elements(),
+                                  itemsize=grad.dtype.size, config=self.config,
+                                  rank=self._rank(), world=ps.size(),
+                                  average=self.op == hvd.Average, opname=opname, step=step,
+                                  extra={"grad": grad})
+            collectives.choose(job)
+            reduced = collectives.run_now(collectives.plan(job, self.codec), self._perform)
+            self.stats.record(name, info.name, nbytes, job.payload_bytes, job.strategy,
+                              job.wire_bytes)
+            return reduced
 
         # CompressionScheduleCallback flips `enabled`; every rank takes the same branch.
         return tf.cond(self.enabled, compressed, lambda: self._plain(grad, opname + ".plain"))
@@ -104,6 +129,10 @@ class Reducer:
 
     def load_state_dict(self, state: dict, strict_spec: bool = True) -> None:
         self.store.load_state_dict(state, strict_spec=strict_spec)
+
+
+def _ring_allreduce_bytes(nbytes: int, world: int) -> float:
+    return 2.0 * (world - 1) / world * nbytes
 
 
 def new_reducer(compression: Any, min_compress_bytes: int, op, process_set) -> Reducer:
