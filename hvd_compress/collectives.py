@@ -169,7 +169,8 @@ class Job:
 
 
 class Ops(Protocol):
-    """What a frontend provides to the plans (hvd_compress.torch.plan, .tensorflow.plan)."""
+    """What a frontend provides to the plans (hvd_compress.torch.codec.TorchCodec,
+    hvd_compress.tensorflow.codec.TFCodec)."""
 
     def prepare(self, job: Job) -> Any: ...
     """The gradient as a 1-D contiguous tensor, worker-side momentum applied."""
@@ -366,7 +367,8 @@ def run_compressed_allreduce(job: Job, ops: Ops) -> Plan:
     parts = chunks(job)
     x = ops.prepare(job)
     # 1. every chunk encoded by this rank, with its worker residual
-    payloads = [ops.encode_part(job, x[p.start:p.stop], p, info, "worker") for p in parts]
+    payloads = [ops.encode_part(job, xs, p, info, "worker")
+                for xs, p in zip(ops.split(x, [p.n for p in parts]), parts)]
     splits = [ops.size(pl) for pl in payloads]
     job.payload_bytes = sum(splits)
     if info.variable_size:  # taking the owners' sums to be as sparse as what this rank sent
