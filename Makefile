@@ -36,9 +36,9 @@ test-parallel: $(STAMP)
 # The collective strategies at every rank count they must scale to, under both launchers (4 and
 # 8 ranks oversubscribe the 2-core CI machine: the tensors are small and the steps few).
 RANKS     := 2 3 4 8
-RANK_TESTS := tests/parallel/test_torch_collectives.py
+RANK_TESTS := tests/parallel/test_torch_collectives.py tests/parallel/test_tf_collectives.py
 # The two-level strategy: 4 ranks that Horovod's Gloo mode takes for 2 nodes of 2 (tests/nodes.py).
-NODE_TESTS := tests/parallel/test_torch_two_level.py
+NODE_TESTS := tests/parallel/test_torch_two_level.py tests/parallel/test_tf_two_level.py
 test-ranks: $(STAMP)
 	@for n in $(RANKS); do for t in $(RANK_TESTS); do \
 	  echo "== $$t at $$n ranks (mpirun, horovodrun --gloo)"; \

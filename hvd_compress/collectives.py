@@ -182,9 +182,9 @@ class Ops(Protocol):
     def from_bytes(self, b: Any, job: Job) -> Any: ...
     """A 1-D tensor as bytes, and back to the gradient's dtype."""
 
-    def sum_rows(self, job: Job, rows: Any, ranks: int, alpha: float) -> Any: ...
-    """alpha * (row 0 + row 1 + ...) of `ranks` equal rows laid back to back (the gradient's
-    dtype), added in rank order in the kernels' accumulator type."""
+    def sum_rows(self, job: Job, rows: Any, ranks: int, n: int, alpha: float) -> Any: ...
+    """alpha * (row 0 + row 1 + ...) of `ranks` rows of n elements laid back to back (the
+    gradient's dtype), added in rank order in the kernels' accumulator type."""
 
     def encode_part(self, job: Job, x: Any, part: Part, info: CodecInfo,
                     state: str | None) -> Any: ...
@@ -411,6 +411,45 @@ def run_homomorphic(job: Job, ops: Ops) -> Plan:
     return ops.finish(job, [ops.homo_decode(job, summed, scales, block, levels, alpha)])
 
 
+def node_groups(layout: list[list[int]]) -> tuple[list[tuple], list[tuple]]:
+    """The two-level strategy's groups from every rank's [local rank, local size, cross rank,
+    cross size]: the ranks of each node (same cross rank) and of each local rank (same local
+    rank on every node), each group's ranks in order. Frontends register them as Horovod
+    process sets, every rank all of them in this order."""
+    if len({row[1] for row in layout}) > 1:
+        sizes = ", ".join(f"rank {r}: {row[1]}" for r, row in enumerate(layout))
+        raise ValueError(f"hierarchical=true needs the same number of ranks on every node "
+                         f"(local sizes {sizes})")
+    nodes = sorted({tuple(r for r, row in enumerate(layout) if row[2] == c)
+                    for c in {row[2] for row in layout}})
+    crosses = sorted({tuple(r for r, row in enumerate(layout) if row[0] == lr)
+                      for lr in {row[0] for row in layout}})
+    return nodes, crosses
+
+
+def register_node_sets(layout: list[list[int]], rank: int, add_process_set, everyone_set,
+                       registered: dict) -> tuple[tuple, Any, Any]:
+    """(this rank's layout row, its node's process set, its local rank's process set). Every
+    group is registered with the frontend's `add_process_set` once per job (`registered`
+    remembers them), on every rank in the same order; the group of all ranks is the global
+    set, which Horovod refuses to register twice."""
+    nodes, crosses = node_groups(layout)
+    everyone = tuple(range(len(layout)))
+    for ranks in nodes + crosses:
+        if ranks not in registered:
+            registered[ranks] = everyone_set if ranks == everyone else add_process_set(list(ranks))
+    local = next(registered[r] for r in nodes if rank in r)
+    cross = next(registered[r] for r in crosses if rank in r)
+    return tuple(layout[rank]), local, cross
+
+
+DYNAMIC_SETS_NEEDED = (
+    "hierarchical=true registers a process set per node and per local rank, which needs "
+    "Horovod's dynamic process sets: call hvd.init(process_sets='dynamic'), or launch with "
+    "HOROVOD_DYNAMIC_PROCESS_SETS=1 in the environment (horovodrun passes it on; mpirun -x "
+    "HOROVOD_DYNAMIC_PROCESS_SETS=1)")
+
+
 def _inner(job: Job, shard: Any) -> Job:
     """The cross-node job of this rank's shard under the two-level strategy."""
     local_rank, local_size, cross_rank, cross_size = job.nodes
@@ -444,6 +483,7 @@ def run_two_level(job: Job, ops: Ops) -> Plan:
     received = yield Alltoall(ops.concat(pieces), [ops.size(p) for p in pieces],
                               job.opname + ".node_scatter", LOCAL)
     shard = ops.sum_rows(job, ops.from_bytes(received, job), local_size,
+                         bounds[local_rank + 1] - bounds[local_rank],
                          1.0 / local_size if job.average else 1.0)
     # 2. the shard between nodes, by the codec's own strategy
     if cross_size > 1:

@@ -154,6 +154,34 @@ class Simulation:
         return ref.homo_decode(summed, n, dtype, scales, block, levels, w, w, 1.0 / w)
 
 
+class TwoLevelSimulation:
+    """hierarchical=true over nodes of per_node ranks (rank = node * per_node + local rank):
+    each node's shards summed in rank order and averaged over the node, each shard through the
+    codec's strategy between the nodes with its own residuals, the shards put back together."""
+
+    def __init__(self, spec, n, nodes, per_node, dtype="float32"):
+        self.n, self.dtype, self.nodes, self.per_node = n, dtype, nodes, per_node
+        self.bounds = col.chunk_bounds(n, per_node)
+        self.inner = [Simulation(spec.replace(",hierarchical=true", ""),
+                                 self.bounds[j + 1] - self.bounds[j], dtype, nodes,
+                                 name=f"w/shard{j}") for j in range(per_node)]
+
+    def __call__(self, grads):
+        A = ref.acc_type(self.dtype)
+        out = []
+        for j, sim in enumerate(self.inner):
+            a, b = self.bounds[j], self.bounds[j + 1]
+            shards = []
+            for c in range(self.nodes):
+                rows = [grads[c * self.per_node + lr][a:b] for lr in range(self.per_node)]
+                acc = ref.to_acc(rows[0], self.dtype).astype(A)
+                for row in rows[1:]:
+                    acc = acc + ref.to_acc(row, self.dtype)
+                shards.append(ref.from_acc(acc * A(1.0 / self.per_node), self.dtype))
+            out.append(sim(shards))
+        return np.concatenate(out)
+
+
 def rank_sum(arrays):
     """Rank 0 + rank 1 + ..., as the collective adds (Python's sum() starts at +0, which would
     turn -0.0 into +0.0)."""

@@ -245,6 +245,65 @@ class TFCodec:
                                T=job.extra["grad"].dtype, n=part.n,
                                **self._part_attrs(part, info))
 
+    # two-level
+    @staticmethod
+    def flat(job: Job):
+        grad = job.extra["grad"]
+        check_gradient(grad)
+        return tf.reshape(grad, [-1])
+
+    @staticmethod
+    def as_bytes(t):
+        return tf.reshape(tf.bitcast(t, tf.uint8), [-1])
+
+    @staticmethod
+    def from_bytes(b, job: Job):
+        dtype = job.extra["grad"].dtype
+        return tf.bitcast(tf.reshape(b, [-1, dtype.size]), dtype)
+
+    @staticmethod
+    def sum_rows(job: Job, rows, ranks: int, n: int, alpha: float):
+        acc = tf.float64 if rows.dtype == tf.float64 else tf.float32
+        # a graph's alltoall result has no static length; the plan knows it
+        rows = tf.cast(tf.reshape(rows, [ranks, n]), acc)
+        total = rows[0]
+        for r in range(1, ranks):  # rank order, as the torch frontend and the simulation add
+            total = total + rows[r]
+        return tf.cast(total * tf.constant(alpha, acc), job.extra["grad"].dtype)
+
+    # homomorphic
+    def homo_source(self, job: Job, x):
+        if self.config.ef != "vanilla":
+            return x
+        var = self._slot(job.name, "ef", job.extra["grad"])
+        job.extra["homo_residual"] = var
+        return x + tf.reshape(var, [-1])
+
+    @staticmethod
+    def homo_absmax(job: Job, p, block: int):
+        m = lib.hvdc_homo_block_absmax(p, block=block)
+        # A NaN block becomes inf: Horovod's max would not carry a NaN to every rank.
+        return tf.where(tf.math.is_nan(m), tf.constant(np.inf, tf.float32), m)
+
+    def homo_encode(self, job: Job, p, scales, block: int, levels: int, seed_key: str):
+        base = _signed64(seed_base(self.config.seed, seed_key))
+        words = lib.hvdc_homo_encode(p, scales, job.step, block=block, levels=levels,
+                                     lane_ranks=job.world, seed_base=base)
+        var = job.extra.pop("homo_residual", None)
+        if var is not None:
+            # e = p - D(own codes), added in the accumulator type as the torch kernel does
+            acc = tf.float64 if p.dtype == tf.float64 else tf.float32
+            own = lib.hvdc_homo_decode(words, scales, self._scalar(job, -1.0), T=acc, n=job.n,
+                                       block=block, levels=levels, lane_ranks=job.world,
+                                       summands=1)
+            var.assign(tf.reshape(tf.cast(tf.cast(p, acc) + own, p.dtype), var.shape))
+        return words
+
+    def homo_decode(self, job: Job, words, scales, block: int, levels: int, alpha: float):
+        return lib.hvdc_homo_decode(words, scales, self._scalar(job, alpha),
+                                    T=job.extra["grad"].dtype, n=job.n, block=block,
+                                    levels=levels, lane_ranks=job.world, summands=job.world)
+
     @staticmethod
     def finish(job: Job, pieces: list):
         res = job.extra.pop("residual", None)

@@ -4,6 +4,7 @@ compressed allreduce), its plan driven to the end at once with Horovod's TF coll
 keyed by variable name."""
 from __future__ import annotations
 
+import os
 import re
 from typing import Any
 
@@ -54,6 +55,10 @@ class Reducer:
         self.codec = TFCodec(config, self.store, rank=self._rank())
         self.stats = CompressionStats()
         self.enabled = tf.Variable(True, trainable=False, name="hvdc_compression_enabled")
+        self.nodes, self.groups = None, {None: process_set}
+        if config.hierarchical:
+            self.nodes, local, cross = node_process_sets(process_set)
+            self.groups.update({collectives.LOCAL: local, collectives.CROSS: cross})
 
     def _rank(self) -> int:
         return self.process_set.rank() if self.process_set.included() else 0
@@ -78,7 +83,7 @@ class Reducer:
     def _perform(self, request):
         """One collective a plan asks for. A graph runs Horovod's ops asynchronously itself, so
         the plan resumes at once with the symbolic result."""
-        ps = self.process_set
+        ps = self.groups[request.group]
         if isinstance(request, collectives.Allreduce):
             return hvd.allreduce(request.tensor, op=_OPS[request.op], name=request.name,
                                  process_set=ps)
@@ -106,14 +111,15 @@ class Reducer:
 
         def compressed():
             info, ps = self.codec.info, self.process_set
-            # Only seeded codecs read the step, so only they keep a counter variable.
-            step = (self.store.next_step(name) if info.uses_seed
-                    else tf.constant(0, tf.int64))
+            # Only seeded codecs read the step (the homomorphic strategy rounds stochastically
+            # whatever the codec), so only they keep a counter variable.
+            seeded = info.uses_seed or collectives.HOMOMORPHIC in info.strategies
+            step = self.store.next_step(name) if seeded else tf.constant(0, tf.int64)
             job = collectives.Job(name=name, n=grad.shape.num_elements(),
                                   itemsize=grad.dtype.size, config=self.config,
                                   rank=self._rank(), world=ps.size(),
                                   average=self.op == hvd.Average, opname=opname, step=step,
-                                  extra={"grad": grad})
+                                  nodes=self.nodes, extra={"grad": grad})
             collectives.choose(job)
             reduced = collectives.run_now(collectives.plan(job, self.codec), self._perform)
             self.stats.record(name, info.name, nbytes, job.payload_bytes, job.strategy,
@@ -129,6 +135,23 @@ class Reducer:
 
     def load_state_dict(self, state: dict, strict_spec: bool = True) -> None:
         self.store.load_state_dict(state, strict_spec=strict_spec)
+
+
+_node_sets: dict[tuple, object] = {}
+
+
+def node_process_sets(process_set):
+    """The two-level strategy's process sets (collectives.node_groups), registered once per job
+    as Horovod dynamic process sets, every rank registering every set in the same order."""
+    if process_set is not hvd.global_process_set:
+        raise ValueError("hierarchical=true builds its node process sets from all ranks; it "
+                         "works with the global process set only")
+    if os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS", "").lower() not in ("1", "true"):
+        raise ValueError(collectives.DYNAMIC_SETS_NEEDED)
+    mine = [hvd.local_rank(), hvd.local_size(), hvd.cross_rank(), hvd.cross_size()]
+    layout = hvd.allgather(tf.constant([mine], tf.int32), name="hvdc.node_layout").numpy().tolist()
+    return collectives.register_node_sets(layout, hvd.rank(), hvd.add_process_set,
+                                          hvd.global_process_set, _node_sets)
 
 
 def _ring_allreduce_bytes(nbytes: int, world: int) -> float:

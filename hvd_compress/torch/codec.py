@@ -152,9 +152,9 @@ class TorchCodec:
         return b.view(-1).view(job.extra["grad"].dtype)
 
     @staticmethod
-    def sum_rows(job: Job, rows: torch.Tensor, ranks: int, alpha: float) -> torch.Tensor:
+    def sum_rows(job: Job, rows: torch.Tensor, ranks: int, n: int, alpha: float) -> torch.Tensor:
         acc = torch.float64 if rows.dtype == torch.float64 else torch.float32
-        rows = rows.view(ranks, -1)
+        rows = rows.view(ranks, n)
         total = rows[0].to(acc, copy=True)
         for r in range(1, ranks):
             total += rows[r]

@@ -203,38 +203,18 @@ _node_sets: dict[tuple, object] = {}
 
 
 def node_process_sets(process_set):
-    """The two-level strategy's process sets: this rank's node (same cross rank) and this
-    rank's local rank on every node (same local rank), registered once per job as Horovod
-    dynamic process sets, every rank registering every set in the same order."""
+    """The two-level strategy's process sets (collectives.node_groups), registered once per job
+    as Horovod dynamic process sets, every rank registering every set in the same order."""
     import os
     if process_set is not hvd.global_process_set:
         raise ValueError("hierarchical=true builds its node process sets from all ranks; it "
                          "works with the global process set only")
     if os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS", "").lower() not in ("1", "true"):
-        raise ValueError("hierarchical=true registers a process set per node and per local "
-                         "rank, which needs Horovod's dynamic process sets: call "
-                         "hvd.init(process_sets='dynamic'), or launch with "
-                         "HOROVOD_DYNAMIC_PROCESS_SETS=1 in the environment (horovodrun "
-                         "passes it on; mpirun -x HOROVOD_DYNAMIC_PROCESS_SETS=1)")
+        raise ValueError(collectives.DYNAMIC_SETS_NEEDED)
     mine = [hvd.local_rank(), hvd.local_size(), hvd.cross_rank(), hvd.cross_size()]
     layout = hvd.allgather(torch.tensor([mine]), name="hvd_compress.node_layout").tolist()
-    if len({row[1] for row in layout}) > 1:
-        sizes = ", ".join(f"rank {r}: {row[1]}" for r, row in enumerate(layout))
-        raise ValueError(f"hierarchical=true needs the same number of ranks on every node "
-                         f"(local sizes {sizes})")
-    nodes = sorted({tuple(r for r, row in enumerate(layout) if row[2] == c)
-                    for c in {row[2] for row in layout}})
-    crosses = sorted({tuple(r for r, row in enumerate(layout) if row[0] == lr)
-                      for lr in {row[0] for row in layout}})
-    everyone = tuple(range(hvd.size()))
-    for ranks in nodes + crosses:
-        if ranks not in _node_sets:
-            _node_sets[ranks] = (hvd.global_process_set if ranks == everyone
-                                 else hvd.add_process_set(list(ranks)))
-    rank = hvd.rank()
-    local = next(_node_sets[r] for r in nodes if rank in r)
-    cross = next(_node_sets[r] for r in crosses if rank in r)
-    return tuple(mine), local, cross
+    return collectives.register_node_sets(layout, hvd.rank(), hvd.add_process_set,
+                                          hvd.global_process_set, _node_sets)
 
 
 def _check_ranks_agree(config: CompressionConfig, min_bytes: int, process_set) -> None:

@@ -7,13 +7,11 @@ from __future__ import annotations
 import os
 
 import horovod.torch as hvd
-import numpy as np
 import pytest
 import torch
 
-import numpy_ref as ref
 from helpers import n2t, same_bits, t2n
-from simulation import Simulation, grads_for_step
+from simulation import TwoLevelSimulation, grads_for_step
 from hvd_compress import collectives as col
 import hvd_compress.torch as hvdc
 
@@ -24,30 +22,6 @@ if os.environ.get("HVDC_NODES") and (NODES, PER_NODE) != (2, 2):
     raise RuntimeError(f"launched as {NODES} node(s) x {PER_NODE}; make asked for 2 x 2")
 pytestmark = pytest.mark.skipif((NODES, PER_NODE) != (2, 2), reason="run by `make test` "
                                 "through tests/nodes.py as 2 nodes x 2 local ranks")
-
-
-class TwoLevelSimulation:
-    def __init__(self, spec, n, dtype="float32"):
-        self.n, self.dtype = n, dtype
-        self.bounds = col.chunk_bounds(n, PER_NODE)
-        self.inner = [Simulation(spec.replace(",hierarchical=true", ""),
-                                 self.bounds[j + 1] - self.bounds[j], dtype, NODES,
-                                 name=f"w/shard{j}") for j in range(PER_NODE)]
-
-    def __call__(self, grads):
-        A = ref.acc_type(self.dtype)
-        out = []
-        for j, sim in enumerate(self.inner):
-            a, b = self.bounds[j], self.bounds[j + 1]
-            shards = []
-            for c in range(NODES):
-                rows = [grads[c * PER_NODE + lr][a:b] for lr in range(PER_NODE)]
-                acc = ref.to_acc(rows[0], self.dtype).astype(A)
-                for row in rows[1:]:
-                    acc = acc + ref.to_acc(row, self.dtype)
-                shards.append(ref.from_acc(acc * A(1.0 / PER_NODE), self.dtype))
-            out.append(sim(shards))
-        return np.concatenate(out)
 
 
 def optimizer(spec, n, dtype=torch.float32):
@@ -80,7 +54,7 @@ def test_ranks_are_laid_out_as_two_nodes():
 def test_two_level_equals_simulation(spec, n):
     spec += ",hierarchical=true"
     p, opt = optimizer(spec, n)
-    sim = TwoLevelSimulation(spec, n)
+    sim = TwoLevelSimulation(spec, n, NODES, PER_NODE)
     for step in range(3):
         grads = grads_for_step(n, "float32", step, WORLD)
         got = reduce_step(p, opt, n2t(grads[RANK], "float32"))
