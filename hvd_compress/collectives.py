@@ -50,6 +50,7 @@ two-level (`hierarchical=true`, for nodes of several ranks; Horovod's hierarchic
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, replace
 from typing import Any, Generator, Protocol
 
@@ -336,24 +337,25 @@ def choose(job: Job) -> str:
 
 
 # ---- the plans ----------------------------------------------------------------------------------
-def run_allreduce(job: Job, ops: Ops) -> Plan:
-    info = job.info
-    prescale, alpha = info.average_factors(job.average, job.world)
+def _encode_whole(job: Job, ops: Ops) -> tuple[Part, Any, float]:
+    """The gradient as one payload: (its part, the payload, alpha for the reduced result)."""
+    prescale, alpha = job.info.average_factors(job.average, job.world)
     part = whole(job)
     job.extra["prescale"] = prescale
-    payload = ops.encode_part(job, ops.prepare(job), part, info, "worker")
+    payload = ops.encode_part(job, ops.prepare(job), part, job.info, "worker")
     job.payload_bytes = ops.size(payload)
+    return part, payload, alpha
+
+
+def run_allreduce(job: Job, ops: Ops) -> Plan:
+    part, payload, alpha = _encode_whole(job, ops)
     reduced = yield Allreduce(payload, job.opname)
-    return ops.finish(job, [ops.decode_part(job, reduced, part, info, alpha)])
+    return ops.finish(job, [ops.decode_part(job, reduced, part, job.info, alpha)])
 
 
 def run_allgather(job: Job, ops: Ops) -> Plan:
     info = job.info
-    prescale, alpha = info.average_factors(job.average, job.world)
-    part = whole(job)
-    job.extra["prescale"] = prescale
-    payload = ops.encode_part(job, ops.prepare(job), part, info, "worker")
-    job.payload_bytes = ops.size(payload)
+    part, payload, alpha = _encode_whole(job, ops)
     if info.variable_size:  # the size formula gave the capacity; this is what is sent
         job.wire_bytes = (job.world - 1) * job.payload_bytes
     gathered = yield Allgather(payload, job.opname, rows=not info.variable_size)
@@ -443,11 +445,17 @@ def register_node_sets(layout: list[list[int]], rank: int, add_process_set, ever
     return tuple(layout[rank]), local, cross
 
 
-DYNAMIC_SETS_NEEDED = (
-    "hierarchical=true registers a process set per node and per local rank, which needs "
-    "Horovod's dynamic process sets: call hvd.init(process_sets='dynamic'), or launch with "
-    "HOROVOD_DYNAMIC_PROCESS_SETS=1 in the environment (horovodrun passes it on; mpirun -x "
-    "HOROVOD_DYNAMIC_PROCESS_SETS=1)")
+def check_node_sets_possible(global_set: bool) -> None:
+    """Refuse hierarchical=true where its process sets cannot be registered."""
+    if not global_set:
+        raise ValueError("hierarchical=true builds its node process sets from all ranks; it "
+                         "works with the global process set only")
+    if os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS", "").lower() not in ("1", "true"):
+        raise ValueError(
+            "hierarchical=true registers a process set per node and per local rank, which "
+            "needs Horovod's dynamic process sets: call hvd.init(process_sets='dynamic'), or "
+            "launch with HOROVOD_DYNAMIC_PROCESS_SETS=1 in the environment (horovodrun passes "
+            "it on; mpirun -x HOROVOD_DYNAMIC_PROCESS_SETS=1)")
 
 
 def _inner(job: Job, shard: Any) -> Job:

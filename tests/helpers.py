@@ -74,3 +74,33 @@ def ranks_marker(world: int):
         raise RuntimeError(f"launched with {world} rank(s); make asked for {want}")
     return pytest.mark.skipif(world < 2, reason="multi-rank test: run by `make test` under "
                               "mpirun and horovodrun --gloo at 2, 3, 4 and 8 ranks")
+
+
+def nodes_marker(nodes: int, per_node: int):
+    """For the two-level tests: `make test` runs them through tests/nodes.py as 2 nodes x 2
+    local ranks with HVDC_NODES set, where any other layout is an error."""
+    if os.environ.get("HVDC_NODES") and (nodes, per_node) != (2, 2):
+        raise RuntimeError(f"launched as {nodes} node(s) x {per_node}; make asked for 2 x 2")
+    return pytest.mark.skipif((nodes, per_node) != (2, 2), reason="run by `make test` through "
+                              "tests/nodes.py as 2 nodes x 2 local ranks")
+
+
+def row_optimizer(spec, n, dtype=torch.float32):
+    """hvd_compress's optimizer over one [1, n] parameter named "w" (2-D: DGC compresses
+    weights only), compressing at any size."""
+    import hvd_compress.torch as hvdc
+    p = torch.nn.Parameter(torch.zeros(1, n, dtype=dtype))
+    opt = hvdc.DistributedOptimizer(torch.optim.SGD([p], lr=0.0), named_parameters=[("w", p)],
+                                    compression=spec, min_compress_bytes=0)
+    return p, opt
+
+
+def reduce_step(p, opt, g):
+    """The reduced gradient of loss = sum(p * g), flattened; the step itself changes nothing."""
+    opt.zero_grad()
+    (p * g.view(p.shape)).sum().backward()
+    opt.synchronize()
+    out = p.grad.detach().reshape(-1).clone()
+    with opt.skip_synchronize():
+        opt.step()
+    return out

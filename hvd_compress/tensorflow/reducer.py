@@ -4,7 +4,6 @@ compressed allreduce), its plan driven to the end at once with Horovod's TF coll
 keyed by variable name."""
 from __future__ import annotations
 
-import os
 import re
 from typing import Any
 
@@ -143,11 +142,7 @@ _node_sets: dict[tuple, object] = {}
 def node_process_sets(process_set):
     """The two-level strategy's process sets (collectives.node_groups), registered once per job
     as Horovod dynamic process sets, every rank registering every set in the same order."""
-    if process_set is not hvd.global_process_set:
-        raise ValueError("hierarchical=true builds its node process sets from all ranks; it "
-                         "works with the global process set only")
-    if os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS", "").lower() not in ("1", "true"):
-        raise ValueError(collectives.DYNAMIC_SETS_NEEDED)
+    collectives.check_node_sets_possible(process_set is hvd.global_process_set)
     mine = [hvd.local_rank(), hvd.local_size(), hvd.cross_rank(), hvd.cross_size()]
     layout = hvd.allgather(tf.constant([mine], tf.int32), name="hvdc.node_layout").numpy().tolist()
     return collectives.register_node_sets(layout, hvd.rank(), hvd.add_process_set,

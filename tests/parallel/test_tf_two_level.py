@@ -3,14 +3,12 @@ ranks posing as 2 nodes x 2 local ranks (`tests/nodes.py`, run by `make test`), 
 against the same simulation, eagerly and inside tf.function."""
 from __future__ import annotations
 
-import os
-
 import horovod.tensorflow as hvd
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from helpers import same_bits
+from helpers import nodes_marker, same_bits
 from simulation import TwoLevelSimulation, grads_for_step
 from hvd_compress import collectives as col
 from hvd_compress.tensorflow.reducer import Reducer, to_config
@@ -18,10 +16,7 @@ from hvd_compress.tensorflow.reducer import Reducer, to_config
 hvd.init()
 RANK, WORLD = hvd.rank(), hvd.size()
 NODES, PER_NODE = hvd.cross_size(), hvd.local_size()
-if os.environ.get("HVDC_NODES") and (NODES, PER_NODE) != (2, 2):
-    raise RuntimeError(f"launched as {NODES} node(s) x {PER_NODE}; make asked for 2 x 2")
-pytestmark = pytest.mark.skipif((NODES, PER_NODE) != (2, 2), reason="run by `make test` "
-                                "through tests/nodes.py as 2 nodes x 2 local ranks")
+pytestmark = nodes_marker(NODES, PER_NODE)
 
 
 @pytest.mark.parametrize("graph", [False, True])

@@ -13,11 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import TORCH_DTYPES, n2t, ranks_marker, same_bits, t2n
+from helpers import TORCH_DTYPES, n2t, ranks_marker, reduce_step, row_optimizer, same_bits, t2n
 from simulation import Simulation, grads_for_step
 from hvd_compress import collectives as col
 import hvd_compress as hc
-import hvd_compress.torch as hvdc
 
 hvd.init()
 WORLD, RANK = hvd.size(), hvd.rank()
@@ -31,26 +30,8 @@ COMPRESSED = ["fp16", "bf16", "onebit", "signsgd", "efsignsgd", "topk,k=0.05", "
 SIZES = [1, max(1, WORLD - 1), 64 * WORLD + 37]
 
 
-def optimizer(spec, n, dtype=torch.float32, name="w"):
-    # 2-D: DGC compresses weights only
-    p = torch.nn.Parameter(torch.zeros(1, n, dtype=dtype))
-    opt = hvdc.DistributedOptimizer(torch.optim.SGD([p], lr=0.0), named_parameters=[(name, p)],
-                                    compression=spec, min_compress_bytes=0)
-    return p, opt
-
-
-def reduce_step(p, opt, g):
-    opt.zero_grad()
-    (p * g.view(p.shape)).sum().backward()
-    opt.synchronize()
-    out = p.grad.detach().reshape(-1).clone()
-    with opt.skip_synchronize():
-        opt.step()
-    return out
-
-
 def check_against_simulation(spec, n, dtype="float32", steps=3):
-    p, opt = optimizer(spec, n, TORCH_DTYPES[dtype])
+    p, opt = row_optimizer(spec, n, TORCH_DTYPES[dtype])
     sim = Simulation(spec, n, dtype, WORLD)
     for step in range(steps):
         grads = grads_for_step(n, dtype, step, WORLD)
@@ -98,7 +79,7 @@ def test_homomorphic_allreduce_is_unbiased():
     approaches the true mean: within 6 standard errors of a level gap on every element, where
     nearest rounding would be off by up to half a gap."""
     n, steps = 300, 200
-    p, opt = optimizer("terngrad,collective=homomorphic", n)
+    p, opt = row_optimizer("terngrad,collective=homomorphic", n)
     g = torch.linspace(-1, 1, n) * (RANK + 1)  # max |x| over ranks: WORLD, one block
     true = sum(torch.linspace(-1, 1, n) * (r + 1) for r in range(WORLD)) / WORLD
     total = torch.zeros(n, dtype=torch.float64)
@@ -136,14 +117,14 @@ def test_auto_picks_by_bytes(codec):
     from three ranks on for a tensor large enough that headers do not decide; forced
     allgather still gathers."""
     n = 4096 * WORLD
-    _, opt = optimizer(codec, n)
+    _, opt = row_optimizer(codec, n)
     sim = Simulation(codec, n, "float32", WORLD)
     grads = grads_for_step(n, "float32", 0, WORLD)
     p = opt.param_groups[0]["params"][0]
     assert same_bits(t2n(reduce_step(p, opt, n2t(grads[RANK], "float32"))), sim(grads))
     want = col.ALLGATHER if WORLD == 2 else col.COMPRESSED_ALLREDUCE
     assert opt.compression_stats.tensors["w"].collective == want
-    _, forced = optimizer(codec + ",collective=allgather", n)
+    _, forced = row_optimizer(codec + ",collective=allgather", n)
     reduce_step(forced.param_groups[0]["params"][0], forced, n2t(grads[RANK], "float32"))
     assert forced.compression_stats.tensors["w"].collective == col.ALLGATHER
     if WORLD > 2:
@@ -153,13 +134,13 @@ def test_auto_picks_by_bytes(codec):
 
 def test_linear_codecs_keep_horovods_allreduce():
     for spec in ["fp16", "randomk,k=0.1"]:
-        _, opt = optimizer(spec, 1000)
+        _, opt = row_optimizer(spec, 1000)
         reduce_step(opt.param_groups[0]["params"][0], opt, torch.ones(1, 1000))
         assert opt.compression_stats.tensors["w"].collective == col.ALLREDUCE
 
 
 def test_all_ranks_hold_identical_results():
-    p, opt = optimizer("onebit,ef=vanilla,collective=allreduce", 1000)
+    p, opt = row_optimizer("onebit,ef=vanilla,collective=allreduce", 1000)
     got = reduce_step(p, opt, torch.randn(1000, generator=torch.Generator().manual_seed(RANK)))
     every = hvd.allgather(got.unsqueeze(0), name="identical_check")
     assert all(torch.equal(every[0], every[r]) for r in range(WORLD))

@@ -4,41 +4,18 @@ shards summed in rank order, each shard through the codec's strategy between the
 (tests/simulation.py, with that shard's own residuals), the shards put back together."""
 from __future__ import annotations
 
-import os
-
 import horovod.torch as hvd
 import pytest
 import torch
 
-from helpers import n2t, same_bits, t2n
+from helpers import n2t, nodes_marker, reduce_step, row_optimizer, same_bits, t2n
 from simulation import TwoLevelSimulation, grads_for_step
 from hvd_compress import collectives as col
-import hvd_compress.torch as hvdc
 
 hvd.init()
 RANK, WORLD = hvd.rank(), hvd.size()
 NODES, PER_NODE = hvd.cross_size(), hvd.local_size()
-if os.environ.get("HVDC_NODES") and (NODES, PER_NODE) != (2, 2):
-    raise RuntimeError(f"launched as {NODES} node(s) x {PER_NODE}; make asked for 2 x 2")
-pytestmark = pytest.mark.skipif((NODES, PER_NODE) != (2, 2), reason="run by `make test` "
-                                "through tests/nodes.py as 2 nodes x 2 local ranks")
-
-
-def optimizer(spec, n, dtype=torch.float32):
-    p = torch.nn.Parameter(torch.zeros(1, n, dtype=dtype))
-    opt = hvdc.DistributedOptimizer(torch.optim.SGD([p], lr=0.0), named_parameters=[("w", p)],
-                                    compression=spec, min_compress_bytes=0)
-    return p, opt
-
-
-def reduce_step(p, opt, g):
-    opt.zero_grad()
-    (p * g.view(p.shape)).sum().backward()
-    opt.synchronize()
-    out = p.grad.detach().reshape(-1).clone()
-    with opt.skip_synchronize():
-        opt.step()
-    return out
+pytestmark = nodes_marker(NODES, PER_NODE)
 
 
 def test_ranks_are_laid_out_as_two_nodes():
@@ -53,7 +30,7 @@ def test_ranks_are_laid_out_as_two_nodes():
                                   "topk,k=0.05,ef=vanilla,collective=allreduce"])
 def test_two_level_equals_simulation(spec, n):
     spec += ",hierarchical=true"
-    p, opt = optimizer(spec, n)
+    p, opt = row_optimizer(spec, n)
     sim = TwoLevelSimulation(spec, n, NODES, PER_NODE)
     for step in range(3):
         grads = grads_for_step(n, "float32", step, WORLD)
@@ -73,7 +50,7 @@ def test_only_the_shard_crosses_nodes():
     grads = grads_for_step(n, "float32", 0, WORLD)
     sent = {}
     for spec in ("onebit,ef=vanilla", "onebit,ef=vanilla,hierarchical=true"):
-        p, opt = optimizer(spec, n)
+        p, opt = row_optimizer(spec, n)
         reduce_step(p, opt, n2t(grads[RANK], "float32"))
         sent[spec] = opt.compression_stats.last_step_wire
     flat, two = sent["onebit,ef=vanilla"], sent["onebit,ef=vanilla,hierarchical=true"]
@@ -84,4 +61,4 @@ def test_without_dynamic_process_sets_the_error_says_how(monkeypatch):
     monkeypatch.delenv("HOROVOD_DYNAMIC_PROCESS_SETS")
     with pytest.raises(ValueError, match="needs Horovod's dynamic process sets: call "
                                          r"hvd.init\(process_sets='dynamic'\)"):
-        optimizer("onebit,hierarchical=true", 10)
+        row_optimizer("onebit,hierarchical=true", 10)

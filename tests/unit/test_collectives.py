@@ -5,7 +5,6 @@ import itertools
 import pytest
 import torch
 
-from helpers import params
 import hvd_compress as hc
 from hvd_compress import collectives as col
 from hvd_compress.torch import _C
