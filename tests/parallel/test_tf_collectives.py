@@ -175,3 +175,20 @@ def test_all_ranks_hold_identical_results():
     got = case.reduce(tf.random.stateless_normal([1000], seed=[RANK, 0]))
     every = hvd.allgather(tf.expand_dims(got, 0), name="identical_check").numpy()
     assert all(np.array_equal(every[0], every[r]) for r in range(WORLD))
+
+
+@pytest.mark.parametrize("spec", ["onebit,ef=vanilla,collective=allreduce",
+                                  "topk,k=0.05,ef=vanilla,collective=allreduce",
+                                  "minmax8,ef=vanilla,collective=homomorphic"])
+def test_checkpointed_state_continues_bit_exactly(spec):
+    """The TF twin: state_dict() into a fresh reducer, which carries on as the uninterrupted
+    simulation (and so as the torch frontend, which matches the same simulation)."""
+    case = Case(spec, RESIDUAL_N)
+    for step in range(4):
+        if step == 2:
+            saved = case.reducer.state_dict()
+            case.reducer = Reducer(to_config(spec), 0, hvd.Average, hvd.global_process_set)
+            case.reducer.load_state_dict(saved)
+        grads = grads_for_step(case.n, "float32", step, WORLD)
+        got = case.reduce(tf.constant(grads[RANK]))
+        assert same_bits(np.asarray(got.numpy()), case.sim(grads)), f"step {step}"

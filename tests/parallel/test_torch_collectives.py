@@ -144,3 +144,22 @@ def test_all_ranks_hold_identical_results():
     got = reduce_step(p, opt, torch.randn(1000, generator=torch.Generator().manual_seed(RANK)))
     every = hvd.allgather(got.unsqueeze(0), name="identical_check")
     assert all(torch.equal(every[0], every[r]) for r in range(WORLD))
+
+
+@pytest.mark.parametrize("spec", ["onebit,ef=vanilla,collective=allreduce",
+                                  "topk,k=0.05,ef=vanilla,collective=allreduce",
+                                  "minmax8,ef=vanilla,collective=homomorphic"])
+def test_checkpointed_state_continues_bit_exactly(spec):
+    """Both residuals go through compression_state_dict() (numpy arrays keyed by parameter name
+    and chunk, the format both frontends share) into a fresh optimizer that carries on exactly
+    as the uninterrupted simulation does."""
+    n = 512 * WORLD + 37
+    p, opt = row_optimizer(spec, n)
+    sim = Simulation(spec, n, "float32", WORLD)
+    for step in range(4):
+        if step == 2:
+            saved = opt.compression_state_dict()
+            p, opt = row_optimizer(spec, n)
+            opt.load_compression_state_dict(saved)
+        grads = grads_for_step(n, "float32", step, WORLD)
+        assert same_bits(t2n(reduce_step(p, opt, n2t(grads[RANK], "float32"))), sim(grads))
