@@ -60,6 +60,7 @@ class TorchCodec:
         self.info = config.info
         self.store = store
         self.rank, self.world = rank, world
+        self._homo_words: dict[str, torch.Tensor] = {}
 
     def encode(self, name: str, grad: torch.Tensor, *, prescale: float = 1.0) -> Encoded:
         """Momentum and error feedback (when configured), then the codec. May overwrite grad."""
@@ -277,7 +278,15 @@ class TorchCodec:
     def homo_encode(self, job: Job, p: torch.Tensor, scales: torch.Tensor, block: int,
                     levels: int, seed_key: str) -> torch.Tensor:
         seed = derive_seed(self.config.seed, seed_key, job.step)
-        words = _C.homo_encode(p, scales, block, levels, job.world, seed)
+        # One words buffer per tensor, reused every step: a fresh one costs as much in page
+        # faults as the encode itself. The step's allreduce and decode are done with it before
+        # the next step encodes into it.
+        kept = self._homo_words.get(job.name)
+        need = _C.homo_words(job.n, levels, job.world)
+        if kept is None or kept.numel() != need or kept.device != p.device:
+            kept = None
+        words = _C.homo_encode(p, scales, block, levels, job.world, seed, words=kept)
+        self._homo_words[job.name] = words
         if self.config.ef == "vanilla":  # e = p - D(own codes)
             _C.homo_decode(words, scales, p, block, levels, job.world, 1, -1.0, True)
         return words
