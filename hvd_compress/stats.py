@@ -1,7 +1,7 @@
 """Compression statistics: bytes before and after compression, per tensor and per step."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 
 @dataclass
@@ -60,3 +60,43 @@ class CompressionStats:
                 "last_step_sent_bytes": self.last_step_sent,
                 "last_step_wire_bytes": self.last_step_wire, "total_raw_bytes": self.total_raw,
                 "total_sent_bytes": self.total_sent, "ratio": self.ratio}
+
+
+def report(stats: CompressionStats, spec: str, steps: int, codec_ns: int,
+           compressing: bool = True) -> dict:
+    """What the launcher prints and writes (`--stats`): bytes per step from each tensor's last
+    step, the ratio, and the time spent in codec kernels. `steps` and `codec_ns` come from the
+    frontend (TensorFlow counts steps in a variable: a traced step never returns to Python).
+    `compressing` is False while a schedule has compression switched off."""
+    tensors = {name: asdict(t) for name, t in stats.tensors.items()}
+    raw = sum(t.raw_bytes for t in stats.tensors.values())
+    sent = sum(t.sent_bytes if compressing else t.raw_bytes for t in stats.tensors.values())
+    return {"spec": spec, "steps": steps, "raw_bytes_per_step": raw,
+            "sent_bytes_per_step": sent, "ratio": raw / sent if sent else 1.0,
+            "wire_bytes_per_step": sum(t.wire_bytes for t in stats.tensors.values()),
+            "codec_ms": codec_ns / 1e6, "codec_ms_per_step": codec_ns / 1e6 / steps if steps else 0.0,
+            "tensors": tensors}
+
+
+def summary_line(api: str, rep: dict) -> str:
+    """One line for the end of a run."""
+    return (f"hvd_compress: {rep['spec']} via {api}: {rep['steps']} steps, "
+            f"{_size(rep['raw_bytes_per_step'])} -> {_size(rep['sent_bytes_per_step'])} per step "
+            f"(ratio {rep['ratio']:.1f}x), codec {rep['codec_ms']:.1f} ms "
+            f"({rep['codec_ms_per_step']:.2f} ms/step)")
+
+
+# TensorBoard scalar tags, the same for both frontends.
+SCALARS = ("hvd_compress/raw_bytes", "hvd_compress/sent_bytes", "hvd_compress/ratio",
+           "hvd_compress/codec_ms")
+
+
+def _size(nbytes: float) -> str:
+    if nbytes < 1000:
+        return f"{nbytes:.0f} B"
+    unit = "kB"
+    for unit in ("kB", "MB", "GB"):
+        nbytes /= 1000
+        if nbytes < 1000:
+            break
+    return f"{nbytes:.2f} {unit}"

@@ -1,6 +1,7 @@
 """Shared test helpers: torch <-> numpy (bfloat16 as uint16 bits) and kernel calls."""
 from __future__ import annotations
 
+import glob
 import os
 
 import numpy as np
@@ -104,3 +105,18 @@ def reduce_step(p, opt, g):
     with opt.skip_synchronize():
         opt.step()
     return out
+
+
+def tensorboard_scalars(logdir: str) -> dict:
+    """tag -> [(step, value)] from the event files in logdir (torch and TF write them apart:
+    simple values and tensors)."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+    from tensorboard.util import tensor_util
+    found: dict = {}
+    for path in sorted(glob.glob(os.path.join(logdir, "events.out.tfevents.*"))):
+        for event in EventFileLoader(path).Load():
+            for value in event.summary.value:
+                v = (value.simple_value if value.HasField("simple_value")
+                     else float(tensor_util.make_ndarray(value.tensor)))
+                found.setdefault(value.tag, []).append((event.step, v))
+    return found

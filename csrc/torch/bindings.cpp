@@ -2,6 +2,9 @@
 // CPU tensors, csrc/cuda for CUDA tensors (when built with CUDA), on the current stream.
 #include <torch/extension.h>
 
+#include <atomic>
+#include <chrono>
+
 #include "hvdc/kernels.h"
 #ifdef HVDC_WITH_CUDA
 #include <c10/cuda/CUDAStream.h>
@@ -491,6 +494,19 @@ void homo_decode(const at::Tensor& words, const at::Tensor& scales, at::Tensor& 
                     lane_ranks, summands, out.data_ptr(), alpha, accumulate);
 }
 
+// Nanoseconds this process spent inside kernel calls, for the launcher's summary and the
+// TensorBoard scalars (the TF op library keeps its own count the same way). Host time: for CUDA
+// tensors it is the launch cost, not the kernels' run time on the stream.
+std::atomic<int64_t> g_codec_ns{0};
+
+struct CodecTimer {
+  std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
+  ~CodecTimer() {
+    g_codec_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
+                      std::chrono::steady_clock::now() - start).count();
+  }
+};
+
 bool built_with_cuda() {
 #ifdef HVDC_WITH_CUDA
   return true;
@@ -519,7 +535,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("momentum_factor", &hvdc::Params::momentum_factor)
       .def_readwrite("clip_norm", &hvdc::Params::clip_norm);
   py::register_exception<hvdc::KernelError>(m, "KernelError", PyExc_ValueError);
-  using G = py::call_guard<py::gil_scoped_release>;
+  using G = py::call_guard<CodecTimer, py::gil_scoped_release>;
   m.def("new_payload", &new_payload, G());
   m.def("encode", &encode, G());
   m.def("decode", &decode, G());
@@ -547,4 +563,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("block"), py::arg("levels"), py::arg("lane_ranks"), py::arg("summands"),
         py::arg("alpha"), py::arg("accumulate"));
   m.def("built_with_cuda", &built_with_cuda);
+  m.def("codec_time_ns", [] { return g_codec_ns.load(); });
 }

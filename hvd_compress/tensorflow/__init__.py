@@ -3,13 +3,15 @@ DistributedGradientTape that routes each codec to allreduce or allgather. Keras 
 hvd_compress.tensorflow.keras."""
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
 from .compression import Compression, Compressor
-from .reducer import DEFAULT_MIN_COMPRESS_BYTES, Reducer, attach, new_reducer, reducer_for
+from .reducer import (DEFAULT_MIN_COMPRESS_BYTES, Reducer, attach, check_horovod_arguments,
+                      new_reducer, pop_horovod_arguments, reducer_for)
 
 __all__ = ["Compression", "Compressor", "DistributedGradientTape", "DistributedOptimizer",
            "Reducer", "reducer_for"]
@@ -21,32 +23,44 @@ class _CompressedTape(tf.GradientTape):
     def __init__(self, tape, persistent, watch_accessed_variables, reducer):
         super(self.__class__, self).__init__(persistent, watch_accessed_variables)
         self._tape = tape
-        self._hvdc = reducer
+        self._hvdc_reducer = reducer
 
     def gradient(self, target, sources, output_gradients=None, **kwargs):
         grads = super(self.__class__, self).gradient(target, sources, output_gradients, **kwargs)
         flat_sources = tf.nest.flatten(sources)
-        reduced = self._hvdc.reduce(tf.nest.flatten(grads), flat_sources)
+        reduced = self._hvdc_reducer.reduce(tf.nest.flatten(grads), flat_sources)
         return tf.nest.pack_sequence_as(grads, reduced)
 
     def compression_state_dict(self) -> dict:
-        return self._hvdc.state_dict()
+        return self._hvdc_reducer.state_dict()
 
     def load_compression_state_dict(self, state: dict, strict_spec: bool = True) -> None:
-        self._hvdc.load_state_dict(state, strict_spec=strict_spec)
+        self._hvdc_reducer.load_state_dict(state, strict_spec=strict_spec)
 
     @property
     def compression_stats(self):
-        return self._hvdc.stats
+        return self._hvdc_reducer.stats
+
+    def compression_report(self) -> dict:
+        return self._hvdc_reducer.compression_report()
+
+    def write_compression_summaries(self, logdir: str) -> None:
+        self._hvdc_reducer.write_compression_summaries(logdir)
 
 
-def DistributedGradientTape(gradtape, compression: Any = "none", op=hvd.Average,
-                            min_compress_bytes: int = DEFAULT_MIN_COMPRESS_BYTES,
-                            process_set=hvd.global_process_set):
-    """Wrap a tf.GradientTape like `horovod.tensorflow.DistributedGradientTape`, compressing
-    gradients. Error-feedback, momentum and step state is kept per variable name and shared by
-    every tape built with the same arguments, so a new tape each step carries it over."""
-    reducer = reducer_for(compression, min_compress_bytes, op, process_set)
+def DistributedGradientTape(gradtape, device_dense="", device_sparse="",
+                            compression: Any = "none", sparse_as_dense=False, op=hvd.Average,
+                            gradient_predivide_factor=1.0, num_groups=0, groups=None,
+                            process_set=hvd.global_process_set, scale_local_gradients=True,
+                            min_compress_bytes: int = DEFAULT_MIN_COMPRESS_BYTES):
+    """Wrap a tf.GradientTape like `horovod.tensorflow.DistributedGradientTape` (same arguments,
+    in the same order, plus `min_compress_bytes`), compressing gradients. Error-feedback,
+    momentum and step state is kept per variable name and shared by every tape built with the
+    same arguments, so a new tape each step carries it over. `scale_local_gradients` has
+    nothing to act on: this tape has no `register_local_source`."""
+    check_horovod_arguments(device_dense, device_sparse, gradient_predivide_factor, num_groups,
+                            groups)
+    reducer = reducer_for(compression, min_compress_bytes, op, process_set, sparse_as_dense)
     cls = type(gradtape.__class__.__name__, (gradtape.__class__,),
                dict(_CompressedTape.__dict__))
     return cls(gradtape._tape, gradtape._persistent, gradtape._watch_accessed_variables, reducer)
@@ -64,7 +78,10 @@ def DistributedOptimizer(optimizer, compression: Any = "none", op=hvd.Average,
                                process_set=process_set, **horovod_kwargs)
     if horovod_kwargs.get("backward_passes_per_step", 1) != 1:
         raise ValueError("backward_passes_per_step > 1 is not supported with compression")
-    reducer = new_reducer(compression, min_compress_bytes, op, process_set)
-    opt = hvd.DistributedOptimizer(optimizer, name=name, op=op, process_set=process_set,
-                                   **horovod_kwargs)
+    pop_horovod_arguments(horovod_kwargs)
+    reducer = new_reducer(compression, min_compress_bytes, op, process_set,
+                          horovod_kwargs.get("sparse_as_dense", False))
+    # Horovod's own, also when `python -m hvd_compress` has put ours in its place.
+    opt = inspect.unwrap(hvd.DistributedOptimizer)(optimizer, name=name, op=op,
+                                                   process_set=process_set, **horovod_kwargs)
     return attach(opt, reducer)

@@ -13,6 +13,7 @@ by the hvd_compress reducer, so everything else (model.fit, Horovod's callbacks)
 """
 from __future__ import annotations
 
+import inspect
 import os
 import pickle
 from typing import Any
@@ -22,7 +23,8 @@ import horovod.tensorflow.keras as hvd_keras
 import tensorflow as tf
 
 from .ops import lib
-from .reducer import DEFAULT_MIN_COMPRESS_BYTES, Reducer, attach, new_reducer, to_config
+from .reducer import (DEFAULT_MIN_COMPRESS_BYTES, Reducer, attach, new_reducer,
+                      pop_horovod_arguments, to_config)
 
 
 def DistributedOptimizer(optimizer, compression: Any = "none", op=hvd.Average,
@@ -31,18 +33,19 @@ def DistributedOptimizer(optimizer, compression: Any = "none", op=hvd.Average,
     """Wrap a Keras optimizer like `horovod.tensorflow.keras.DistributedOptimizer`.
 
     The result also has `compression_state_dict()`, `load_compression_state_dict(state)` and
-    `compression_stats`. Horovod keyword arguments other than local gradient accumulation pass
-    through; `backward_passes_per_step` > 1 is refused (the accumulation helper would bypass the
-    compressed reduction)."""
+    `compression_stats`. Horovod's keyword arguments pass through, except those the compressed
+    reduction cannot honour, which raise: `backward_passes_per_step` > 1 (the accumulation
+    helper would bypass the compressed reduction), device placement, groups and
+    `gradient_predivide_factor`."""
     if horovod_kwargs.get("backward_passes_per_step", 1) != 1:
         raise ValueError("backward_passes_per_step > 1 is not supported with compression in "
                          "Keras; accumulate gradients before calling the optimizer instead")
-    for key in ("compression", "groups", "num_groups"):
-        if horovod_kwargs.get(key):
-            raise ValueError(f"{key} is set by hvd_compress; leave it out")
-    reducer = new_reducer(compression, min_compress_bytes, op, process_set)
-    opt = hvd_keras.DistributedOptimizer(optimizer, name=name, op=op, process_set=process_set,
-                                         **horovod_kwargs)
+    pop_horovod_arguments(horovod_kwargs)
+    reducer = new_reducer(compression, min_compress_bytes, op, process_set,
+                          horovod_kwargs.get("sparse_as_dense", False))
+    # Horovod's own, also when `python -m hvd_compress` has put ours in its place.
+    opt = inspect.unwrap(hvd_keras.DistributedOptimizer)(
+        optimizer, name=name, op=op, process_set=process_set, **horovod_kwargs)
     return attach(opt, reducer)
 
 
@@ -101,7 +104,22 @@ class CompressionScheduleCallback(tf.keras.callbacks.Callback):
 
 class CompressionStatsCallback(tf.keras.callbacks.Callback):
     """Adds per-step gradient bytes, bytes sent, their ratio and the time spent in codec kernels
-    during the epoch to the epoch logs, so they reach History, CSVLogger and TensorBoard."""
+    during the epoch to the epoch logs, so they reach History, CSVLogger and TensorBoard.
+
+    tensorboard: a directory to which the same statistics are also written per step as
+    TensorBoard scalars (hvd_compress.stats.SCALARS), from rank 0 only."""
+
+    def __init__(self, tensorboard: str | None = None):
+        super().__init__()
+        self.tensorboard = tensorboard
+
+    def on_train_begin(self, logs=None):
+        if self.tensorboard and hvd.rank() == 0:
+            reducer = _reducer_of(self.model)
+            if reducer._writer is None:
+                reducer.write_compression_summaries(self.tensorboard)
+                # The summary ops join the step at its next trace.
+                self.model.train_function = self.model.make_train_function(force=True)
 
     def on_epoch_begin(self, epoch, logs=None):
         self._codec_ns = int(lib.hvdc_codec_time().numpy())

@@ -10,12 +10,13 @@ from typing import Any
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
-from .. import collectives
+from .. import collectives, stats
 from ..compressor import CompressorBase
 from ..spec import CompressionConfig, parse_spec
 from ..state import StateStore
 from ..stats import CompressionStats
 from .codec import DTYPE_NAMES, TFAdapter, TFCodec
+from .ops import lib
 
 DEFAULT_MIN_COMPRESS_BYTES = 65536
 _OP_NAME = re.compile(r"[^A-Za-z0-9_.\-/]")
@@ -38,8 +39,32 @@ def to_config(compression: Any) -> CompressionConfig:
     return parse_spec(compression)
 
 
+def check_horovod_arguments(device_dense="", device_sparse="", gradient_predivide_factor=1.0,
+                            num_groups=0, groups=None) -> None:
+    """Horovod's tape and optimizer arguments that the compressed reduction cannot honour: they
+    raise here rather than being dropped silently when the reduction replaces Horovod's."""
+    if device_dense or device_sparse:
+        raise ValueError("device_dense/device_sparse are not supported by hvd_compress: the codec "
+                         "kernels run where the gradient is; leave them unset")
+    if num_groups or groups is not None:
+        raise ValueError("groups/num_groups are not supported by hvd_compress: each compressed "
+                         "gradient is its own collective; leave them unset")
+    if gradient_predivide_factor != 1.0:
+        raise ValueError("gradient_predivide_factor is not supported by hvd_compress on "
+                         "TensorFlow; leave it at 1.0 (op=hvd.Average averages after the sum)")
+
+
+def pop_horovod_arguments(kwargs: dict) -> None:
+    """Check, then remove, the arguments of Horovod's optimizers that the compressed reduction
+    takes over (it replaces Horovod's, which would otherwise drop them silently)."""
+    check_horovod_arguments(**{key: kwargs.pop(key) for key in (
+        "device_dense", "device_sparse", "gradient_predivide_factor", "num_groups", "groups")
+        if key in kwargs})
+
+
 class Reducer:
-    def __init__(self, config: CompressionConfig, min_compress_bytes: int, op, process_set):
+    def __init__(self, config: CompressionConfig, min_compress_bytes: int, op, process_set,
+                 sparse_as_dense: bool = False):
         if op not in (hvd.Average, hvd.Sum):
             raise ValueError(f"op={op} is not supported with compression; valid: hvd.Average, "
                              f"hvd.Sum")
@@ -50,10 +75,16 @@ class Reducer:
         self.min_bytes = min_compress_bytes
         self.op = op
         self.process_set = process_set
+        self.sparse_as_dense = sparse_as_dense
         self.store = StateStore(TFAdapter(), spec=config.canonical())
         self.codec = TFCodec(config, self.store, rank=self._rank())
         self.stats = CompressionStats()
         self.enabled = tf.Variable(True, trainable=False, name="hvdc_compression_enabled")
+        # A traced step never returns to Python: steps are counted in the graph.
+        self.steps = tf.Variable(0, dtype=tf.int64, trainable=False, name="hvdc_steps")
+        with tf.init_scope():  # the codec clock is read eagerly even when built in a trace
+            self._codec_ns = int(lib.hvdc_codec_time().numpy())
+        self._writer = None
         self.nodes, self.groups = None, {None: process_set}
         if config.hierarchical:
             self.nodes, local, cross = node_process_sets(process_set)
@@ -66,7 +97,48 @@ class Reducer:
     # otherwise transpile every function the plans call, seconds per trace.
     @tf.autograph.experimental.do_not_convert
     def reduce(self, grads, variables):
-        return [self._reduce_one(g, v) for g, v in zip(grads, variables)]
+        if self.sparse_as_dense:
+            grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
+                     for g in grads]
+        reduced = [self._reduce_one(g, v) for g, v in zip(grads, variables)]
+        self.steps.assign_add(1)
+        if self._writer is not None:
+            self._write_step(reduced, [parameter_name(v) for g, v in zip(grads, variables)
+                                       if g is not None])
+        return reduced
+
+    def compression_report(self) -> dict:
+        """Bytes per step, ratio and codec-kernel time since this reducer was built, with the
+        per-tensor statistics (what `python -m hvd_compress` prints and writes)."""
+        return stats.report(self.stats, str(self.config), int(self.steps.numpy()),
+                            int(lib.hvdc_codec_time().numpy()) - self._codec_ns,
+                            compressing=bool(self.enabled.numpy()))
+
+    def write_compression_summaries(self, logdir: str) -> None:
+        """Write each step's statistics (hvd_compress.stats.SCALARS) as TensorBoard scalars to
+        `logdir`, from the next trace or eager step on (the summary ops are part of the step).
+        Call it on one rank: every rank would write the same files."""
+        with tf.init_scope():
+            self._writer = tf.summary.create_file_writer(logdir)
+            self._writer_ns = tf.Variable(lib.hvdc_codec_time(), trainable=False,
+                                          name="hvdc_summary_codec_ns")
+
+    def _write_step(self, reduced, names):
+        tensors = [self.stats.tensors[n] for n in names if n in self.stats.tensors]
+        raw = tf.constant(sum(t.raw_bytes for t in tensors), tf.float64)
+        sent = tf.where(self.enabled, tf.constant(sum(t.sent_bytes for t in tensors), tf.float64),
+                        raw)
+        # The clock is read once this step's codec ops have run.
+        with tf.control_dependencies([t for t in reduced if isinstance(t, tf.Tensor)]):
+            now = lib.hvdc_codec_time()
+        spent = tf.cast(now - self._writer_ns, tf.float64) / 1e6
+        with tf.control_dependencies([spent]):
+            self._writer_ns.assign(now)
+        with self._writer.as_default(step=self.steps):
+            for tag, value in zip(stats.SCALARS, (raw, sent, raw / sent, spent)):
+                tf.summary.scalar(tag, value)
+        # Flushed every step: a run that ends without closing the writer keeps its last steps.
+        self._writer.flush()
 
     def set_config(self, config: CompressionConfig) -> None:
         """Switch codec or parameters (a warm-up schedule). Residuals, momentum and step counters
@@ -153,9 +225,10 @@ def _ring_allreduce_bytes(nbytes: int, world: int) -> float:
     return 2.0 * (world - 1) / world * nbytes
 
 
-def new_reducer(compression: Any, min_compress_bytes: int, op, process_set) -> Reducer:
+def new_reducer(compression: Any, min_compress_bytes: int, op, process_set,
+                sparse_as_dense: bool = False) -> Reducer:
     config = to_config(compression)
-    reducer = Reducer(config, min_compress_bytes, op, process_set)
+    reducer = Reducer(config, min_compress_bytes, op, process_set, sparse_as_dense)
     if process_set.included() and process_set.size() > 1:
         check_ranks_agree(config, min_compress_bytes, process_set)
     return reducer
@@ -166,6 +239,8 @@ def attach(opt, reducer: Reducer):
     self._allreduce_grads(grads, vars) for the whole reduction."""
     opt._allreduce_grads = reducer.reduce
     opt._hvdc_reducer = reducer
+    opt.compression_report = reducer.compression_report
+    opt.write_compression_summaries = reducer.write_compression_summaries
     opt.compression_state_dict = reducer.state_dict
     opt.load_compression_state_dict = reducer.load_state_dict
     opt.compression_stats = reducer.stats
@@ -175,13 +250,14 @@ def attach(opt, reducer: Reducer):
 _reducers: dict[tuple, Reducer] = {}
 
 
-def reducer_for(compression: Any, min_compress_bytes: int, op, process_set) -> Reducer:
+def reducer_for(compression: Any, min_compress_bytes: int, op, process_set,
+                sparse_as_dense: bool = False) -> Reducer:
     """One reducer, and so one state store, per configuration: a tape built anew every step
     finds the state of the steps before."""
     config = to_config(compression)
-    key = (config, min_compress_bytes, op, process_set.process_set_id)
+    key = (config, min_compress_bytes, op, process_set.process_set_id, sparse_as_dense)
     if key not in _reducers:
-        _reducers[key] = Reducer(config, min_compress_bytes, op, process_set)
+        _reducers[key] = Reducer(config, min_compress_bytes, op, process_set, sparse_as_dense)
         if tf.executing_eagerly() and process_set.included() and process_set.size() > 1:
             check_ranks_agree(config, min_compress_bytes, process_set)
     return _reducers[key]

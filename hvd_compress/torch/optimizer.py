@@ -27,10 +27,11 @@ import horovod.torch as hvd
 import torch
 from horovod.torch.optimizer import _DistributedOptimizer
 
-from .. import collectives
+from .. import collectives, stats
 from ..spec import CompressionConfig
 from ..state import StateStore
 from ..stats import CompressionStats
+from . import _C
 from .codec import DTYPE_NAMES, TorchAdapter, TorchCodec
 from .powersgd import PowerSGDReduction
 from ..compressor import CompressorBase
@@ -59,6 +60,8 @@ class _CompressedReduction:
         self._hvdc_min_bytes = min_compress_bytes
         self._hvdc_store = StateStore(TorchAdapter(), spec=config.canonical())
         self._hvdc_stats = CompressionStats()
+        self._hvdc_codec_ns = _C.codec_time_ns()  # the kernels' clock is per process
+        self._hvdc_writer = None
         self._hvdc_codec = TorchCodec(config, self._hvdc_store, rank=process_set.rank(),
                                       world=process_set.size())
         self._hvdc_powersgd = (PowerSGDReduction(config, self._hvdc_store, process_set,
@@ -131,6 +134,33 @@ class _CompressedReduction:
         if self._hvdc_powersgd is not None:
             self._hvdc_powersgd.end_step()
         self._hvdc_stats.end_step()
+        if self._hvdc_writer is not None:
+            self._hvdc_write_step()
+
+    def compression_report(self) -> dict:
+        """Bytes per step, ratio and codec-kernel time since this optimizer was built, with the
+        per-tensor statistics (what `python -m hvd_compress` prints and writes)."""
+        return stats.report(self._hvdc_stats, str(self._hvdc_config), self._hvdc_stats.steps,
+                            _C.codec_time_ns() - self._hvdc_codec_ns)
+
+    def write_compression_summaries(self, logdir: str) -> None:
+        """From the next step on, write each step's statistics (hvd_compress.stats.SCALARS) as
+        TensorBoard scalars to `logdir`. Call it on one rank: every rank would write the same
+        files."""
+        from torch.utils.tensorboard import SummaryWriter
+        self._hvdc_writer = SummaryWriter(logdir)
+        self._hvdc_writer_ns = _C.codec_time_ns()
+
+    def _hvdc_write_step(self) -> None:
+        s, now = self._hvdc_stats, _C.codec_time_ns()
+        values = (s.last_step_raw, s.last_step_sent,
+                  s.last_step_raw / s.last_step_sent if s.last_step_sent else 1.0,
+                  (now - self._hvdc_writer_ns) / 1e6)
+        self._hvdc_writer_ns = now
+        for tag, value in zip(stats.SCALARS, values):
+            self._hvdc_writer.add_scalar(tag, value, s.steps)
+        # Flushed every step: a run that ends without closing the writer keeps its last steps.
+        self._hvdc_writer.flush()
 
     def compression_state_dict(self) -> dict:
         """Error-feedback residuals, momentum buffers and step counters as numpy arrays, keyed

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from helpers import same_bits, two_rank_marker
+from helpers import same_bits, tensorboard_scalars, two_rank_marker
 from simulation import Simulation, grads_for_step
 import hvd_compress.tensorflow as hvdt
 import hvd_compress.tensorflow.keras as hvdk
@@ -115,6 +115,64 @@ def test_keras_fit_reaches_uncompressed_loss(spec):
     assert np.array_equal(gathered[0].numpy(), gathered[1].numpy()), "ranks diverged"
     ratios = history.history["compression_ratio"]
     assert ratios[0] == 1.0 and ratios[-1] > 1.5  # plain for epoch 0, compressed after
+
+
+def test_keras_stats_callback_writes_tensorboard_scalars_per_step(tmp_path_factory):
+    logdir = os.path.join(str(tmp_path_factory.getbasetemp()), f"tb{RANK}")
+    _, opt, history, _ = fit("onebit,ef=vanilla", epochs=2, start_epoch=1,
+                             callbacks=[hvdk.CompressionStatsCallback(tensorboard=logdir)])
+    if RANK != 0:
+        assert not os.path.exists(logdir)
+        return
+    scalars = tensorboard_scalars(logdir)
+    ratio = scalars["hvd_compress/ratio"]
+    per_epoch = len(ratio) // 2
+    assert [step for step, _ in ratio] == list(range(1, 2 * per_epoch + 1)) and per_epoch >= 10
+    # Epoch 0 runs uncompressed (the schedule), epoch 1 at the codec's ratio.
+    assert all(v == 1.0 for _, v in ratio[:per_epoch])
+    # (TensorBoard keeps scalars as float32.)
+    want = np.float32(history.history["compression_ratio"][1])
+    assert want > 1.5 and all(v == want for _, v in ratio[per_epoch:])
+    raw = [v for _, v in scalars["hvd_compress/raw_bytes"]]
+    sent = [v for _, v in scalars["hvd_compress/sent_bytes"]]
+    assert raw == [history.history["compression_raw_bytes_per_step"][1]] * 2 * per_epoch
+    assert sent[-1] == history.history["compression_sent_bytes_per_step"][1] < raw[-1]
+    assert all(v >= 0 for _, v in scalars["hvd_compress/codec_ms"])
+    assert sum(v for _, v in scalars["hvd_compress/codec_ms"][per_epoch:]) > 0
+    report = opt.compression_report()
+    assert report["steps"] == 2 * per_epoch and np.float32(report["ratio"]) == want
+
+
+@pytest.mark.parametrize("argument, message", [
+    ({"device_dense": "/gpu:0"}, "device_dense/device_sparse are not supported"),
+    ({"num_groups": 2}, "groups/num_groups are not supported"),
+    ({"gradient_predivide_factor": 2.0}, "gradient_predivide_factor is not supported"),
+])
+def test_horovod_arguments_we_cannot_honour_raise(argument, message):
+    with tf.GradientTape() as tape:
+        pass
+    with pytest.raises(ValueError, match=message):
+        hvdt.DistributedGradientTape(tape, compression="onebit", **argument)
+    with pytest.raises(ValueError, match=message):
+        hvdk.DistributedOptimizer(tf.keras.optimizers.SGD(0.1), compression="onebit", **argument)
+
+
+def test_tape_sparse_as_dense_compresses_embedding_gradients():
+    table = tf.Variable(tf.reshape(tf.range(40000, dtype=tf.float32), [10000, 4]) * 0 + 1.0,
+                        name="sparse_table")
+    ids = tf.constant([RANK, 3, 7])
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(tf.gather(table, ids) * float(RANK + 1))
+    tape = hvdt.DistributedGradientTape(tape, compression="fp16", sparse_as_dense=True,
+                                        min_compress_bytes=0)
+    got = tape.gradient(loss, [table])[0]
+    assert isinstance(got, tf.Tensor)  # dense, so the codec (not a plain allgather) carried it
+    assert tape.compression_stats.tensors["sparse_table"].codec == "fp16"
+    want = np.zeros([10000, 4], np.float32)
+    for r in range(WORLD):
+        for i in (r, 3, 7):
+            want[i] += (r + 1) / WORLD
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-3)
 
 
 def test_keras_compression_checkpoint_saves_and_restores(tmp_path_factory):
