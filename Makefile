@@ -13,7 +13,7 @@ PYTEST    := -m pytest -q -p no:cacheprovider --color=no --timeout=300
 # No hang may outlive this: a stuck collective fails the run instead of stalling CI.
 LIMIT     := timeout -k 20 1200
 
-.PHONY: setup test test-unit test-parallel test-ranks test-bench test-gpu demo bench bench-quick bench-gpu clean
+.PHONY: setup test test-unit test-parallel test-ranks test-launcher test-bench test-gpu demo bench bench-quick bench-gpu clean
 
 setup:
 	bash ci/setup.sh
@@ -23,7 +23,7 @@ $(STAMP): $(SOURCES)
 	bash ci/setup.sh
 	@touch $(STAMP)
 
-test: $(STAMP) test-parallel test-ranks test-unit test-bench
+test: $(STAMP) test-parallel test-ranks test-unit test-launcher test-bench
 
 # torch and TensorFlow suites run as separate jobs: Horovod's torch and TF libraries each keep
 # their own global state and must not be loaded side by side in one process.
@@ -55,6 +55,11 @@ test-ranks: $(STAMP)
 test-unit: $(STAMP)
 	HVDC_FORCE_SCALAR=1 $(LIMIT) $(PY) $(PYTEST) tests/unit/test_kernels.py tests/unit/test_quantizers.py tests/unit/test_sparse.py tests/unit/test_homomorphic.py
 	$(LIMIT) $(PY) $(PYTEST) tests/unit
+
+# Unchanged Horovod scripts through `python -m hvd_compress` and HVD_COMPRESSION: the test starts
+# its own 2-rank jobs under mpirun and horovodrun.
+test-launcher: $(STAMP)
+	$(LIMIT) $(PY) $(PYTEST) tests/launcher
 
 # The benchmark scripts end to end on tiny sizes (the network one needs root and namespaces).
 test-bench: $(STAMP)

@@ -9,6 +9,7 @@ import glob
 import os
 
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 KERNEL_SOURCES = sorted(glob.glob(os.path.join("csrc", "cpu", "*.cc")))
@@ -76,8 +77,24 @@ def tensorflow_op_library():
     )]
 
 
+# The HVD_COMPRESSION opt-in (hvd_compress/launch.py): a .pth file at the top of site-packages,
+# inert unless that variable is set.
+PTH = "hvd_compress_env.pth"
+
+
+class build_py_with_pth(build_py):
+    def run(self):
+        super().run()
+        self.copy_file(os.path.join("hvd_compress", "env.pth"),
+                       os.path.join(self.build_lib, PTH), preserve_mode=False)
+
+    def get_outputs(self, include_bytecode=True):
+        return super().get_outputs(include_bytecode) + [os.path.join(self.build_lib, PTH)]
+
+
 ext_modules, cmdclass = torch_extensions()
 ext_modules += tensorflow_op_library()
+cmdclass["build_py"] = build_py_with_pth
 
 setup(
     name="hvd_compress",
@@ -86,6 +103,7 @@ setup(
     packages=find_packages(include=["hvd_compress", "hvd_compress.*"]),
     python_requires=">=3.11",
     install_requires=["numpy"],
+    package_data={"hvd_compress": ["env.pth"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
 )

@@ -79,6 +79,10 @@ log "building hvd_compress kernels"
 # incrementally), then loaded once so a build that produced nothing fails here, not in tests.
 (cd "$ROOT" && "$VPY" -m pip install -q --no-build-isolation --no-deps -e . \
     && "$VPY" setup.py -q build_ext --inplace)
+# A wheel install puts the HVD_COMPRESSION opt-in (hvd_compress/env.pth) into site-packages
+# (setup.py's build_py); an editable install does not, so it is copied there.
+site=$("$VPY" -c "import sysconfig; print(sysconfig.get_paths()['platlib'])")
+cp "$ROOT/hvd_compress/env.pth" "$site/hvd_compress_env.pth"
 (cd / && "$VPY" -c "import hvd_compress.torch._C, hvd_compress.tensorflow.ops") \
     || { echo "setup: the hvd_compress kernels did not build" >&2; exit 1; }
 log "ready: $VENV"
