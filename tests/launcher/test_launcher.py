@@ -255,3 +255,50 @@ def test_the_pth_opt_in_is_installed_and_inert():
                                "if m.startswith('hvd_compress')))"], env=env,
                               capture_output=True, text=True, timeout=60)
         assert proc.stdout.strip() == "[]", proc.stdout + proc.stderr
+
+
+# (setup, the stock call, the same call made to hvd_compress directly), one process, one rank.
+UNSUPPORTED = {
+    "torch": ("import torch\nimport horovod.torch as hvd\nhvd.init()\n"
+              "m = torch.nn.Linear(4, 4)\nopt = torch.optim.SGD(m.parameters(), lr=0.1)\n",
+              "hvd.DistributedOptimizer(opt, named_parameters=m.named_parameters(), num_groups=2)",
+              "import hvd_compress.torch as hvdc\nhvdc.DistributedOptimizer(opt, named_parameters="
+              "m.named_parameters(), num_groups=2, compression='onebit')"),
+    "tape": ("import tensorflow as tf\nimport horovod.tensorflow as hvd\nhvd.init()\n"
+             "with tf.GradientTape() as tape:\n    pass\n",
+             "hvd.DistributedGradientTape(tape, device_dense='/gpu:0')",
+             "import hvd_compress.tensorflow as hvdt\n"
+             "hvdt.DistributedGradientTape(tape, device_dense='/gpu:0', compression='onebit')"),
+    "keras": ("import tensorflow as tf\nimport horovod.keras as hvd\nhvd.init()\n",
+              "hvd.DistributedOptimizer(tf.keras.optimizers.SGD(0.1), gradient_predivide_factor=2.0)",
+              "import hvd_compress.tensorflow.keras as hvdk\nhvdk.DistributedOptimizer("
+              "tf.keras.optimizers.SGD(0.1), gradient_predivide_factor=2.0, compression='onebit')"),
+}
+
+
+@pytest.mark.parametrize("case", list(UNSUPPORTED))
+def test_stock_arguments_we_cannot_honour_fail_as_in_the_api(case, tmp_path):
+    setup, stock, direct = UNSUPPORTED[case]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HVD_COMPRESSION")}
+    (tmp_path / "stock.py").write_text(setup + stock + "\n")
+    (tmp_path / "direct.py").write_text(setup + direct + "\n")
+    launched = subprocess.run([PY, "-m", "hvd_compress", "--compression", "onebit", "stock.py"],
+                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    called = subprocess.run([PY, "direct.py"], cwd=tmp_path, env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert launched.returncode == called.returncode == 1
+    error = called.stderr.strip().splitlines()[-1]
+    assert error.startswith("ValueError: ") and "not supported by hvd_compress" in error
+    assert launched.stderr.strip().splitlines()[-1] == error
+
+
+def test_standalone_horovod_keras_is_replaced_too(tmp_path):
+    (tmp_path / "k.py").write_text(
+        "import tensorflow as tf\nimport horovod.keras as hvd\nhvd.init()\n"
+        "opt = hvd.DistributedOptimizer(tf.keras.optimizers.SGD(0.1))\n"
+        "print('ours', hasattr(opt, 'compression_report'))\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HVD_COMPRESSION")}
+    proc = subprocess.run([PY, "k.py"], cwd=tmp_path, env=dict(env, HVD_COMPRESSION="onebit"),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "ours True" in proc.stdout, proc.stderr
+    assert "horovod.keras.DistributedOptimizer compresses with onebit" in proc.stderr
