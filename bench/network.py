@@ -69,7 +69,8 @@ ROWS_2X2 = [("horovod, no compression", "horovod", "none"),
                         ("dithering", "dithering,ef=vanilla"))
     for how, suffix in (("allgather", "collective=allgather"),
                         ("compressed allreduce", "collective=allreduce"),
-                        ("two-level", "hierarchical=true"))]
+                        ("two-level", "hierarchical=true"),
+                        ("two-level fp16", "hierarchical=fp16"))]
 LAYOUTS = {"1x2": (1, ROWS), "2x2": (2, ROWS_2X2)}  # ranks per node, rows
 
 
@@ -407,6 +408,9 @@ def main():
     ap.add_argument("--out", default=results.DEFAULT_OUT)
     ap.add_argument("--layout", choices=list(LAYOUTS), default="1x2",
                     help="ranks per namespace x namespaces: 1x2 (default) or 2x2")
+    ap.add_argument("--select", default=None,
+                    help="comma-separated words: only the rows whose label contains one of "
+                         "them (with the Horovod rows for reference), e.g. two-level,fp16")
     ap.add_argument("--rendezvous", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--per-node", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--worker", choices=["horovod", "ddp"], help=argparse.SUPPRESS)
@@ -431,6 +435,9 @@ def main():
     # Ctrl-C or a kill reaches the finally blocks, so the namespaces always go.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     per_node, table = LAYOUTS[args.layout]
+    if args.select:
+        words = args.select.split(",")
+        table = [r for r in table if r[1] == "horovod" or any(w in r[0] for w in words)]
     rows = []
     with LinkPair() as link, tempfile.TemporaryDirectory() as tmp:
         for rate in rates:

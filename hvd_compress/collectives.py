@@ -180,12 +180,18 @@ class Ops(Protocol):
     """The gradient as a 1-D contiguous tensor, as it is."""
 
     def as_bytes(self, t: Any) -> Any: ...
-    def from_bytes(self, b: Any, job: Job) -> Any: ...
-    """A 1-D tensor as bytes, and back to the gradient's dtype."""
+    def from_bytes(self, b: Any, job: Job, half: bool = False) -> Any: ...
+    """A 1-D tensor as bytes, and back to the gradient's dtype (to float16 with half)."""
+
+    def to_half(self, t: Any) -> Any: ...
+    def widen(self, t: Any, job: Job) -> Any: ...
+    """A tensor cast to float16, and from float16 to the gradient's dtype
+    (hierarchical=fp16)."""
 
     def sum_rows(self, job: Job, rows: Any, ranks: int, n: int, alpha: float) -> Any: ...
     """alpha * (row 0 + row 1 + ...) of `ranks` rows of n elements laid back to back (the
-    gradient's dtype), added in rank order in the kernels' accumulator type."""
+    gradient's dtype or float16), added in rank order in the kernels' accumulator type, in the
+    gradient's dtype."""
 
     def encode_part(self, job: Job, x: Any, part: Part, info: CodecInfo,
                     state: str | None) -> Any: ...
@@ -486,11 +492,16 @@ def run_two_level(job: Job, ops: Ops) -> Plan:
     local_rank, local_size, _, cross_size = job.nodes
     bounds = chunk_bounds(job.n, local_size)
     x = ops.flat(job)
+    # hierarchical=fp16: float32 gradients cross the node in float16 (summed in float32), half
+    # the bytes of the legs that only the codec's inter-node leg compresses otherwise.
+    half = job.config.node_fp16 and job.itemsize == 4
+    if half:
+        x = ops.to_half(x)
     # 1. shard j of every rank's gradient to local rank j, summed (averaged over the node)
     pieces = [ops.as_bytes(x[bounds[j]:bounds[j + 1]]) for j in range(local_size)]
     received = yield Alltoall(ops.concat(pieces), [ops.size(p) for p in pieces],
                               job.opname + ".node_scatter", LOCAL)
-    shard = ops.sum_rows(job, ops.from_bytes(received, job), local_size,
+    shard = ops.sum_rows(job, ops.from_bytes(received, job, half), local_size,
                          bounds[local_rank + 1] - bounds[local_rank],
                          1.0 / local_size if job.average else 1.0)
     # 2. the shard between nodes, by the codec's own strategy
@@ -499,9 +510,12 @@ def run_two_level(job: Job, ops: Ops) -> Plan:
         shard = yield from _in_group(plan(inner, ops), CROSS)
         job.payload_bytes = inner.payload_bytes
     # 3. every shard to every rank of the node
-    gathered = yield Allgather(ops.as_bytes(shard), job.opname + ".node_gather", group=LOCAL)
-    sizes = [(bounds[j + 1] - bounds[j]) * job.itemsize for j in range(local_size)]
-    return ops.finish(job, [ops.from_bytes(b, job) for b in ops.split(gathered, sizes)])
+    gathered = yield Allgather(ops.as_bytes(ops.to_half(shard) if half else shard),
+                               job.opname + ".node_gather", group=LOCAL)
+    width = 2 if half else job.itemsize
+    sizes = [(bounds[j + 1] - bounds[j]) * width for j in range(local_size)]
+    return ops.finish(job, [ops.widen(ops.from_bytes(b, job, half), job)
+                            for b in ops.split(gathered, sizes)])
 
 
 TWO_LEVEL = "two_level"

@@ -18,7 +18,8 @@ class CompressorBase:
         """A variant with some parameters changed: `Compression.topk(k=0.001, ef="vanilla")`."""
         cfg = self.config
         spec = {"compressor": cfg.codec, **dict(cfg.params), "momentum": cfg.momentum,
-                "seed": cfg.seed, "collective": cfg.collective, "hierarchical": cfg.hierarchical}
+                "seed": cfg.seed, "collective": cfg.collective,
+                "hierarchical": "fp16" if cfg.node_fp16 else cfg.hierarchical}
         if not cfg.info.builtin_ef:
             spec["ef"] = cfg.ef
         if cfg.momentum != "none":

@@ -35,6 +35,7 @@ class CompressionConfig:
     seed: int = 0
     collective: str = "auto"
     hierarchical: bool = False
+    node_fp16: bool = False  # hierarchical=fp16: a node's own legs carry float32 gradients as fp16
 
     @property
     def info(self) -> CodecInfo:
@@ -64,7 +65,7 @@ class CompressionConfig:
         if self.collective != "auto":  # absent when default: specs saved before it still match
             items.append(f"collective={self.collective}")
         if self.hierarchical:
-            items.append("hierarchical=true")
+            items.append(f"hierarchical={'fp16' if self.node_fp16 else 'true'}")
         return ",".join(items)
 
     def fingerprint(self) -> int:
@@ -83,7 +84,7 @@ class CompressionConfig:
         if self.collective != "auto":
             items.append(f"collective={self.collective}")
         if self.hierarchical:
-            items.append("hierarchical=true")
+            items.append(f"hierarchical={'fp16' if self.node_fp16 else 'true'}")
         return ",".join(items)
 
 
@@ -193,7 +194,13 @@ def parse_spec(spec: Any) -> CompressionConfig:
         raise ValueError(f"seed must be in [0, 2^63), got {seed}")
 
     collective = _coerce("collective", str, items.pop("collective", "auto"))
-    hierarchical = _coerce("hierarchical", bool, items.pop("hierarchical", False))
+    raw = items.pop("hierarchical", False)
+    node_fp16 = isinstance(raw, str) and raw.strip().lower() == "fp16"
+    try:
+        hierarchical = node_fp16 or _coerce("hierarchical", bool, raw)
+    except ValueError:
+        raise ValueError(f"hierarchical must be true, false or fp16 (two-level, the node's own "
+                         f"legs in float16), got {raw!r}") from None
     if hierarchical and info.rounds != 1:
         raise ValueError(f"{info.name} runs its own {info.rounds}-round pipeline; "
                          f"hierarchical=true is not supported with it")
@@ -215,7 +222,8 @@ def parse_spec(spec: Any) -> CompressionConfig:
         valid = [p.describe() for p in info.params] + list(DECORATOR_KEYS)
         raise ValueError(f"codec {info.name!r} has no parameter {bad!r}; valid: {', '.join(valid)}")
     return CompressionConfig(codec=info.name, params=tuple(params), ef=ef, momentum=momentum,
-                             mu=mu, seed=seed, collective=collective, hierarchical=hierarchical)
+                             mu=mu, seed=seed, collective=collective, hierarchical=hierarchical,
+                             node_fp16=node_fp16)
 
 
 def _check_collective(info: CodecInfo, collective: str, fields: dict) -> None:

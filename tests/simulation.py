@@ -157,14 +157,20 @@ class Simulation:
 class TwoLevelSimulation:
     """hierarchical=true over nodes of per_node ranks (rank = node * per_node + local rank):
     each node's shards summed in rank order and averaged over the node, each shard through the
-    codec's strategy between the nodes with its own residuals, the shards put back together."""
+    codec's strategy between the nodes with its own residuals, the shards put back together.
+    hierarchical=fp16: float32 gradients and the shards they come back as cross the node as
+    float16 (rounded to nearest even), the sum still in float32."""
 
     def __init__(self, spec, n, nodes, per_node, dtype="float32"):
         self.n, self.dtype, self.nodes, self.per_node = n, dtype, nodes, per_node
+        self.half = "hierarchical=fp16" in spec and dtype == "float32"
+        inner = spec.replace(",hierarchical=true", "").replace(",hierarchical=fp16", "")
         self.bounds = col.chunk_bounds(n, per_node)
-        self.inner = [Simulation(spec.replace(",hierarchical=true", ""),
-                                 self.bounds[j + 1] - self.bounds[j], dtype, nodes,
+        self.inner = [Simulation(inner, self.bounds[j + 1] - self.bounds[j], dtype, nodes,
                                  name=f"w/shard{j}") for j in range(per_node)]
+
+    def _leg(self, a):
+        return a.astype(np.float16).astype(np.float32) if self.half else a
 
     def __call__(self, grads):
         A = ref.acc_type(self.dtype)
@@ -173,12 +179,13 @@ class TwoLevelSimulation:
             a, b = self.bounds[j], self.bounds[j + 1]
             shards = []
             for c in range(self.nodes):
-                rows = [grads[c * self.per_node + lr][a:b] for lr in range(self.per_node)]
+                rows = [self._leg(grads[c * self.per_node + lr][a:b])
+                        for lr in range(self.per_node)]
                 acc = ref.to_acc(rows[0], self.dtype).astype(A)
                 for row in rows[1:]:
                     acc = acc + ref.to_acc(row, self.dtype)
                 shards.append(ref.from_acc(acc * A(1.0 / self.per_node), self.dtype))
-            out.append(sim(shards))
+            out.append(self._leg(sim(shards)))
         return np.concatenate(out)
 
 

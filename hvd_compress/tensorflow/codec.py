@@ -257,9 +257,17 @@ class TFCodec:
         return tf.reshape(tf.bitcast(t, tf.uint8), [-1])
 
     @staticmethod
-    def from_bytes(b, job: Job):
-        dtype = job.extra["grad"].dtype
+    def from_bytes(b, job: Job, half: bool = False):
+        dtype = tf.float16 if half else job.extra["grad"].dtype
         return tf.bitcast(tf.reshape(b, [-1, dtype.size]), dtype)
+
+    @staticmethod
+    def to_half(t):
+        return tf.cast(t, tf.float16)
+
+    @staticmethod
+    def widen(t, job: Job):
+        return tf.cast(t, job.extra["grad"].dtype)
 
     @staticmethod
     def sum_rows(job: Job, rows, ranks: int, n: int, alpha: float):

@@ -149,8 +149,16 @@ class TorchCodec:
         return t.contiguous().view(-1).view(torch.uint8)
 
     @staticmethod
-    def from_bytes(b: torch.Tensor, job: Job) -> torch.Tensor:
-        return b.view(-1).view(job.extra["grad"].dtype)
+    def from_bytes(b: torch.Tensor, job: Job, half: bool = False) -> torch.Tensor:
+        return b.view(-1).view(torch.float16 if half else job.extra["grad"].dtype)
+
+    @staticmethod
+    def to_half(t: torch.Tensor) -> torch.Tensor:
+        return t.to(torch.float16)
+
+    @staticmethod
+    def widen(t: torch.Tensor, job: Job) -> torch.Tensor:
+        return t.to(job.extra["grad"].dtype)
 
     @staticmethod
     def sum_rows(job: Job, rows: torch.Tensor, ranks: int, n: int, alpha: float) -> torch.Tensor:
@@ -160,7 +168,7 @@ class TorchCodec:
         for r in range(1, ranks):
             total += rows[r]
         total *= alpha
-        return total.to(rows.dtype)
+        return total.to(job.extra["grad"].dtype)
 
     def prepare(self, job: Job) -> torch.Tensor:
         grad = job.extra["grad"]

@@ -17,15 +17,18 @@ hvd.init()
 RANK, WORLD = hvd.rank(), hvd.size()
 NODES, PER_NODE = hvd.cross_size(), hvd.local_size()
 pytestmark = nodes_marker(NODES, PER_NODE)
+SPECS = ["onebit,ef=vanilla", "topk,k=0.05,ef=vanilla", "minmax8,chunk=64",
+         "dithering,ef=vanilla,momentum=nesterov",
+         "onebit,ef=vanilla,collective=allreduce"]
+# hierarchical=fp16: the node's legs in float16 (each strategy the inner leg can take)
+FP16_SPECS = ["onebit,ef=vanilla", "minmax8,chunk=64", "onebit,ef=vanilla,collective=allreduce"]
 
 
 @pytest.mark.parametrize("graph", [False, True])
 @pytest.mark.parametrize("n", [1, 3, 64 * 4 + 37])
-@pytest.mark.parametrize("spec", ["onebit,ef=vanilla", "topk,k=0.05,ef=vanilla", "minmax8,chunk=64",
-                                  "dithering,ef=vanilla,momentum=nesterov",
-                                  "onebit,ef=vanilla,collective=allreduce"])
+@pytest.mark.parametrize("spec", [s + ",hierarchical=true" for s in SPECS] +
+                         [s + ",hierarchical=fp16" for s in FP16_SPECS])
 def test_two_level_equals_simulation(spec, n, graph):
-    spec += ",hierarchical=true"
     reducer = Reducer(to_config(spec), 0, hvd.Average, hvd.global_process_set)
     var = tf.Variable(tf.zeros([n]), name="w")
     sim = TwoLevelSimulation(spec, n, NODES, PER_NODE)

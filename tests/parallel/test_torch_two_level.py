@@ -16,6 +16,13 @@ hvd.init()
 RANK, WORLD = hvd.rank(), hvd.size()
 NODES, PER_NODE = hvd.cross_size(), hvd.local_size()
 pytestmark = nodes_marker(NODES, PER_NODE)
+SPECS = ["onebit,ef=vanilla", "topk,k=0.05,ef=vanilla", "efsignsgd",
+         "minmax8,chunk=64", "bf16", "fp16",
+         "dithering,ef=vanilla,momentum=nesterov",
+         "onebit,ef=vanilla,collective=allreduce",
+         "topk,k=0.05,ef=vanilla,collective=allreduce"]
+# hierarchical=fp16: the node's legs in float16 (each strategy the inner leg can take)
+FP16_SPECS = ["onebit,ef=vanilla", "minmax8,chunk=64", "onebit,ef=vanilla,collective=allreduce"]
 
 
 def test_ranks_are_laid_out_as_two_nodes():
@@ -23,13 +30,9 @@ def test_ranks_are_laid_out_as_two_nodes():
 
 
 @pytest.mark.parametrize("n", [1, 3, 64 * 4 + 37])
-@pytest.mark.parametrize("spec", ["onebit,ef=vanilla", "topk,k=0.05,ef=vanilla", "efsignsgd",
-                                  "minmax8,chunk=64", "bf16", "fp16",
-                                  "dithering,ef=vanilla,momentum=nesterov",
-                                  "onebit,ef=vanilla,collective=allreduce",
-                                  "topk,k=0.05,ef=vanilla,collective=allreduce"])
+@pytest.mark.parametrize("spec", [s + ",hierarchical=true" for s in SPECS] +
+                         [s + ",hierarchical=fp16" for s in FP16_SPECS])
 def test_two_level_equals_simulation(spec, n):
-    spec += ",hierarchical=true"
     p, opt = row_optimizer(spec, n)
     sim = TwoLevelSimulation(spec, n, NODES, PER_NODE)
     for step in range(3):

@@ -109,3 +109,17 @@ def test_collective_is_part_of_the_spec_only_when_set():
     assert "collective" not in hc.parse_spec("onebit").canonical()
     assert hc.parse_spec("onebit,collective=allreduce").canonical().endswith("collective=allreduce")
     assert hc.parse_spec("onebit").fingerprint() != hc.parse_spec("onebit,collective=allgather").fingerprint()
+
+
+def test_hierarchical_takes_true_false_or_fp16():
+    two = hc.parse_spec("onebit,hierarchical=true")
+    half = hc.parse_spec("onebit,hierarchical=fp16")
+    assert two.hierarchical and not two.node_fp16
+    assert half.hierarchical and half.node_fp16
+    assert not hc.parse_spec("onebit,hierarchical=false").hierarchical
+    assert half.canonical().endswith("hierarchical=fp16") and str(half).endswith("hierarchical=fp16")
+    assert hc.parse_spec(half.canonical()) == half
+    assert hc.parse_spec({"compressor": "onebit", "hierarchical": "FP16"}) == half
+    assert "hierarchical" not in hc.parse_spec("onebit").canonical()
+    with pytest.raises(ValueError, match="hierarchical must be true, false or fp16 .*got 'bf16'"):
+        hc.parse_spec("onebit,hierarchical=bf16")
