@@ -132,6 +132,7 @@ class Part:
     stop: int
     fields: tuple  # kernel fields as sorted (name, value) pairs
     seed_key: str  # the name seeds are derived from (seeds.derive_seed / seed_base)
+    index: int = 0  # which of the tensor's parts (empty chunks share a start)
 
     @property
     def n(self) -> int:
@@ -244,6 +245,21 @@ def chunk_bounds(n: int, world: int, align: int = CHUNK_ALIGN) -> list[int]:
     return bounds + [n]
 
 
+def carry_kind(parts: int) -> str:
+    """The state kind of the sign codecs' lazy residual scales (csrc ef_encode's carry) for a
+    tensor encoded in `parts` parts, one scale each: each chunk of the compressed allreduce keeps
+    its own, so no chunk settles another's. A kind per count, so a checkpoint (saved settled,
+    its carries zero) still loads under another world size."""
+    return "ef_carry" if parts == 1 else f"ef_carry/{parts}"
+
+
+def carry_parts(kind: str) -> int:
+    """How many parts a carry kind serves; 0 when `kind` is not one."""
+    if kind == "ef_carry":
+        return 1
+    return int(kind[len("ef_carry/"):]) if kind.startswith("ef_carry/") else 0
+
+
 def _fields(config: CompressionConfig, n: int, step: int, k: int | None) -> tuple:
     f = config.kernel_fields(n, step)
     if k is not None and "k" in f:
@@ -272,7 +288,7 @@ def chunks(job: Job, owner_key: bool = False) -> list[Part]:
             k = total * b // job.n - total * a // job.n
         key = (seed_name(f"{job.name}/owner{j}", j, info.seed_per_rank) if owner_key
                else seed_name(f"{job.name}/chunk{j}", job.rank, info.seed_per_rank))
-        parts.append(Part(a, b, _fields(cfg, b - a, job.fields_step, k), key))
+        parts.append(Part(a, b, _fields(cfg, b - a, job.fields_step, k), key, j))
     return parts
 
 

@@ -72,6 +72,10 @@ class StateStore:
         """Whether the slot exists, live or waiting in a loaded checkpoint."""
         return kind in self._slots.get(name, {}) or kind in self._pending.get(name, {})
 
+    def kinds(self, name: str) -> list[str]:
+        """The live slots of a parameter."""
+        return list(self._slots.get(name, {}))
+
     def peek(self, name: str, kind: str) -> Any:
         """The live slot, or None when it does not exist (yet)."""
         return self._slots.get(name, {}).get(kind)

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import tensorflow as tf
 
-from ..collectives import ALLREDUCE, COMPRESSED_ALLREDUCE, Job, Part, chunk_bounds
+from ..collectives import (ALLREDUCE, COMPRESSED_ALLREDUCE, Job, Part, carry_kind, carry_parts,
+                           chunk_bounds)
 from ..registry import CodecInfo, codecs
 from ..seeds import seed_base, seed_name
 from ..spec import CompressionConfig
@@ -55,8 +56,9 @@ class _Residual:
     var: tf.Variable
     parts: dict  # (start, stop) -> the residual of those elements, as read
     carry_var: tf.Variable | None
-    carry: tf.Tensor
+    carries: list  # each part's lazy scale, as read (empty tensors for codecs without one)
     pieces: list = field(default_factory=list)
+    new_carries: list = field(default_factory=list)
 
 
 class TFCodec:
@@ -124,12 +126,12 @@ class TFCodec:
         m.assign(tf.reshape(m_new, grad.shape))
         return flat
 
-    def _carry(self, name: str):
-        """The sign codecs' lazy residual scale (a variable), or the empty input other codecs
-        take."""
+    def _carry(self, name: str, parts: int = 1):
+        """The sign codecs' lazy residual scales, one per part (a variable), or the empty input
+        other codecs take."""
         if not self.info.ef_carry:
             return tf.zeros([0])
-        return self._slot(name, "ef_carry", tf.zeros([self.info.ef_carry]))
+        return self._slot(name, carry_kind(parts), tf.zeros([self.info.ef_carry * parts]))
 
     def _slot(self, name: str, kind: str, like):
         if self.store is None:
@@ -153,11 +155,20 @@ class TFCodec:
         if self.store is None or self.config.ef != "vanilla" or not self.info.ef_carry:
             return
         for name in self.store.names():
-            e, carry = self.store.peek(name, "ef"), self.store.peek(name, "ef_carry")
-            if e is not None and carry is not None:
-                e_new, c_new = lib.hvdc_ef_settle(e, carry, codec=self.info.kernel_id)
-                e.assign(e_new)
-                carry.assign(c_new)
+            e = self.store.peek(name, "ef")
+            if e is None:
+                continue
+            for kind in self.store.kinds(name):
+                parts = carry_parts(kind)
+                if not parts:
+                    continue
+                carry = self.store.peek(name, kind)
+                bounds = chunk_bounds(e.shape.num_elements(), parts)
+                regions = tf.split(tf.reshape(e, [-1]), np.diff(bounds).tolist())
+                settled = [lib.hvdc_ef_settle(r, c, codec=self.info.kernel_id)
+                           for r, c in zip(regions, tf.split(carry, parts))]
+                e.assign(tf.reshape(tf.concat([r for r, _ in settled], 0), e.shape))
+                carry.assign(tf.concat([c for _, c in settled], 0))
 
     # ---- the reduction plans' operations (hvd_compress.collectives.Ops) -------------------------
     def prepare(self, job: Job):
@@ -188,22 +199,20 @@ class TFCodec:
         res = job.extra.get("residual")
         if res is None:
             var = self._slot(job.name, "ef", job.extra["grad"])
-            carry = self._carry(job.name)
             # Cut at the chunk bounds by one op rather than a slice (and its constants) per part.
-            bounds = (chunk_bounds(job.n, job.world) if job.strategy == COMPRESSED_ALLREDUCE
-                      else [0, job.n])
+            parts = job.world if job.strategy == COMPRESSED_ALLREDUCE else 1
+            bounds = chunk_bounds(job.n, parts)
             cuts = tf.split(tf.reshape(var, [-1]), np.diff(bounds).tolist())
+            carry = self._carry(job.name, parts)
             res = job.extra["residual"] = _Residual(
                 var, dict(zip(zip(bounds, bounds[1:]), cuts)),
-                carry if self.info.ef_carry else None, tf.convert_to_tensor(carry))
+                carry if self.info.ef_carry else None,
+                tf.split(carry, parts) if self.info.ef_carry else [carry] * parts)
         payload, e_new, carry = lib.hvdc_ef_encode(x, res.parts[part.start, part.stop],
-                                                   res.carry, job.step, pres, W=wire, **attrs)
-        if job.strategy == COMPRESSED_ALLREDUCE and info.ef_carry:
-            # One carry serves the whole tensor but each chunk has its own scale: settle per
-            # chunk, as the torch frontend does, so both keep the same residual.
-            e_new, carry = lib.hvdc_ef_settle(e_new, carry, codec=info.kernel_id)
+                                                   res.carries[part.index], job.step, pres,
+                                                   W=wire, **attrs)
         res.pieces.append(e_new)
-        res.carry = carry
+        res.new_carries.append(carry)
         return payload
 
     def _part_attrs(self, part: Part, info: CodecInfo) -> dict:
@@ -318,7 +327,7 @@ class TFCodec:
         if res is not None:
             res.var.assign(tf.reshape(tf.concat(res.pieces, 0), res.var.shape))
             if res.carry_var is not None:
-                res.carry_var.assign(res.carry)
+                res.carry_var.assign(tf.concat(res.new_carries, 0))
         grad = job.extra["grad"]
         return tf.reshape(pieces[0] if len(pieces) == 1 else tf.concat(pieces, 0), grad.shape)
 

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..collectives import ALLREDUCE, COMPRESSED_ALLREDUCE, Job, Part
+from ..collectives import (ALLREDUCE, COMPRESSED_ALLREDUCE, Job, Part, carry_kind, carry_parts,
+                           chunk_bounds)
 from ..registry import CodecInfo
 from ..seeds import derive_seed, seed_name
 from ..spec import CompressionConfig
@@ -91,21 +92,29 @@ class TorchCodec:
             payload = payload.view(torch.uint8).view(1, -1)
         return Encoded(payload, kp, grad.shape, grad.dtype, grad.device)
 
-    def _carry(self, name: str, like: torch.Tensor) -> torch.Tensor:
+    def _carry(self, name: str, like: torch.Tensor, parts: int = 1) -> torch.Tensor:
         size = self.info.ef_carry
         if not size:
             return _NO_CARRY
-        return self._slot(name, "ef_carry", torch.zeros(size, device=like.device))
+        return self._slot(name, carry_kind(parts), torch.zeros(size * parts, device=like.device))
 
     def settle(self) -> None:
         """Bring every lazily kept residual to its plain form (a no-op for the state's meaning);
         called before the state is read or checkpointed."""
         if self.store is None or self.config.ef != "vanilla" or not self.info.ef_carry:
             return
+        size = self.info.ef_carry
         for name in self.store.names():
             e = self.store.peek(name, "ef")
-            if e is not None:
-                _C.ef_settle(self.info.kernel_id, e, self._carry(name, e))
+            if e is None:
+                continue
+            for kind in self.store.kinds(name):
+                parts = carry_parts(kind)
+                if parts:
+                    bounds, carry = chunk_bounds(e.numel(), parts), self.store.peek(name, kind)
+                    for j in range(parts):
+                        _C.ef_settle(self.info.kernel_id, e.view(-1)[bounds[j]:bounds[j + 1]],
+                                     carry[j * size:(j + 1) * size])
 
     def _slot(self, name: str, kind: str, like: torch.Tensor) -> torch.Tensor:
         if self.store is None:
@@ -193,10 +202,10 @@ class TorchCodec:
             _C.encode_with_state(info.kernel_id, x, slots, kp, payload)
         elif state == "worker" and cfg.ef == "vanilla":
             e = self._slot(name, "ef", grad).view(-1)[part.start:part.stop]
-            carry = self._carry(name, grad)
-            _C.ef_encode(info.kernel_id, x, e, carry, kp, payload)
-            if chunked and carry.numel():  # one carry serves the whole tensor: settle per chunk
-                _C.ef_settle(info.kernel_id, e, carry)
+            carry = self._carry(name, grad, job.world if chunked else 1)
+            size = info.ef_carry
+            _C.ef_encode(info.kernel_id, x, e, carry[part.index * size:(part.index + 1) * size],
+                         kp, payload)
         elif state == "owner" and cfg.ef == "vanilla":
             e = self.store.slot(name, f"owner_ef[{part.start}:{part.stop}]", x)
             carry = torch.zeros(_C.ef_carry_size(info.kernel_id), device=x.device)
