@@ -83,6 +83,7 @@ bench: $(STAMP)
 	$(PY) bench/codecs.py
 	$(PY) bench/convergence.py
 	$(PY) bench/scaling.py
+	$(PY) bench/cost_model.py
 	$(PY) bench/network.py
 
 bench-quick: $(STAMP)

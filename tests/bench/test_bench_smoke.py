@@ -134,3 +134,39 @@ def test_network_two_nodes_of_two_quick(tmp_path):
     assert [r["row"] for r in rows] == [label for label, _, _ in network.ROWS_2X2]
     assert data["settings"]["ranks"] == 4
     assert all(float(r["ms_per_step"]) > 0 and int(r["bytes_per_step"]) > 0 for r in rows)
+
+
+def test_cost_model_recovers_a_known_fit(tmp_path):
+    """Times made exactly by the model, with an intercept shared by each codec's allgather and
+    compressed allreduce so that alpha is identifiable: the fit must give back eta and alpha."""
+    import cost_model
+    import network
+    alpha, eta, params_m = 0.5e-3, 0.8, 6.0
+    rows = []
+    for i, (label, how, spec) in enumerate(r for r in network.ROWS_2X2
+                                           if r[0] in cost_model.EXTEND):
+        plans = cost_model.tensor_plans(how, spec, params_m, 2, 2)
+        compute = 0.1 + 0.02 * len(label.split()[0])  # the same for a codec's two rows
+        for j, (rate, bps) in enumerate(network.RATES.items()):
+            sent = int(1e6 * (1 + i) * (1 + 0.01 * j))
+            t = compute + alpha * cost_model.messages(plans) + sent * 8 / (eta * bps)
+            rows.append({"rate": rate, "row": label, "spec": spec, "ms_per_step": 1e3 * t,
+                         "bytes_per_step": sent})
+    rows.append({"rate": "1gbit", "row": "ddp fp16_compress_hook", "spec": "fp16",
+                 "ms_per_step": 1.0, "bytes_per_step": 1})  # not modelled: left out
+    src = tmp_path / "synthetic.json"
+    src.write_text(json.dumps({"settings": {"params_m": params_m, "ranks": 4, "layout": "2x2"},
+                               "rows": rows}))
+    proc = run("cost_model.py", str(src), "--out", str(tmp_path), timeout=120)
+    with open(tmp_path / "cost_model.json") as f:
+        data = json.load(f)
+    s = data["settings"]
+    assert {k: round(v["eta"], 6) for k, v in s["eta"].items()} == {
+        f"2x2 {g}": eta for g in ("allreduce", "allgather", "compressed_allreduce")}
+    assert s["alpha_identifiable_per_row"] is False
+    assert s["alpha_ms"] == pytest.approx(alpha * 1e3, rel=0.01)
+    assert all(abs(r["measured_ms"] - r["fitted_ms"]) < 0.1 for r in s["residuals"])
+    assert {(r["ranks"], r["rate"]) for r in data["rows"]} == {
+        (n, rate) for n in cost_model.RANKS for rate in cost_model.EXTEND_RATES}
+    assert all(r["model_ms"] > r["t_compute_ms"] > 0 for r in data["rows"])
+    assert "Model, not measurement" in proc.stdout
