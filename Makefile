@@ -83,8 +83,9 @@ bench: $(STAMP)
 	$(PY) bench/codecs.py
 	$(PY) bench/convergence.py
 	$(PY) bench/scaling.py
-	$(PY) bench/cost_model.py
 	$(PY) bench/network.py
+	$(PY) bench/network.py --layout 2x2
+	$(PY) bench/cost_model.py
 
 bench-quick: $(STAMP)
 	$(PY) bench/codecs.py --quick
