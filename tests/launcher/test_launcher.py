@@ -128,6 +128,8 @@ def test_compresses_an_unchanged_script(script, launcher, mode, root):
     got = load(out)
     assert got["argv"] == [path] + args and got["name"] == "__main__"
     assert got["hvd_compress_loaded"]
+    losses = got["losses"]
+    assert len(losses) == STEPS and np.all(np.isfinite(losses)) and losses[-1] < losses[0]
 
     # One override line and one summary line, from rank 0 only.
     config = parse_spec(spec)
@@ -292,13 +294,19 @@ def test_stock_arguments_we_cannot_honour_fail_as_in_the_api(case, tmp_path):
     assert launched.stderr.strip().splitlines()[-1] == error
 
 
-def test_standalone_horovod_keras_is_replaced_too(tmp_path):
+@pytest.mark.parametrize("module, optimizer", [
+    ("horovod.keras", "tf.keras.optimizers.SGD(0.1)"),
+    ("horovod.tensorflow", "tf.compat.v1.train.GradientDescentOptimizer(0.1)"),
+    ("horovod.tensorflow", "tf.keras.optimizers.SGD(0.1)")])
+def test_the_other_tensorflow_optimizers_are_replaced_too(module, optimizer, tmp_path):
+    """Standalone horovod.keras, and horovod.tensorflow's optimizer with a TF1-style or a Keras
+    optimizer: each builds ours."""
     (tmp_path / "k.py").write_text(
-        "import tensorflow as tf\nimport horovod.keras as hvd\nhvd.init()\n"
-        "opt = hvd.DistributedOptimizer(tf.keras.optimizers.SGD(0.1))\n"
+        f"import tensorflow as tf\nimport {module} as hvd\nhvd.init()\n"
+        f"opt = hvd.DistributedOptimizer({optimizer})\n"
         "print('ours', hasattr(opt, 'compression_report'))\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("HVD_COMPRESSION")}
     proc = subprocess.run([PY, "k.py"], cwd=tmp_path, env=dict(env, HVD_COMPRESSION="onebit"),
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "ours True" in proc.stdout, proc.stderr
-    assert "horovod.keras.DistributedOptimizer compresses with onebit" in proc.stderr
+    assert f"{module}.DistributedOptimizer compresses with onebit" in proc.stderr

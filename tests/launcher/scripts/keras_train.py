@@ -28,15 +28,17 @@ model.compile(loss=tf.losses.SparseCategoricalCrossentropy(from_logits=True), op
               metrics=["accuracy"])
 
 rng = np.random.default_rng(1000 + hvd.rank())
-images = rng.standard_normal((32 * args.steps, 64), dtype=np.float32)
-labels = rng.integers(0, 10, 32 * args.steps)
+images = rng.standard_normal((32, 64), dtype=np.float32)
+labels = rng.integers(0, 10, 32)
 callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0),
              hvd.callbacks.MetricAverageCallback()]
-model.fit(images, labels, batch_size=32, epochs=1, shuffle=False, callbacks=callbacks, verbose=0)
+history = model.fit(images, labels, batch_size=32, epochs=args.steps, shuffle=False,
+                    callbacks=callbacks, verbose=0)
+losses = [float(v) for v in history.history["loss"]]
 
 if hvd.rank() == 0:
     with open(args.out, "w") as f:
-        json.dump({"argv": sys.argv, "name": __name__,
+        json.dump({"argv": sys.argv, "name": __name__, "losses": losses,
                    "optimizer": type(opt).__module__ + "." + type(opt).__qualname__,
                    "hvd_compress_loaded": "hvd_compress" in sys.modules,
                    "weights": {v.name: v.numpy().astype(np.float64).flatten().tolist()

@@ -40,14 +40,13 @@ def training_step(images, labels, first_batch):
 
 
 rng = np.random.default_rng(1000 + hvd.rank())
-for step in range(args.steps):
-    images = rng.standard_normal((32, 64), dtype=np.float32)
-    labels = rng.integers(0, 10, 32)
-    training_step(images, labels, step == 0)
+images = rng.standard_normal((32, 64), dtype=np.float32)
+labels = rng.integers(0, 10, 32)
+losses = [float(training_step(images, labels, step == 0)) for step in range(args.steps)]
 
 if hvd.rank() == 0:
     with open(args.out, "w") as f:
-        json.dump({"argv": sys.argv, "name": __name__,
+        json.dump({"argv": sys.argv, "name": __name__, "losses": losses,
                    "optimizer": hvd.DistributedGradientTape.__module__,
                    "hvd_compress_loaded": "hvd_compress" in sys.modules,
                    "weights": {v.name: v.numpy().astype(np.float64).flatten().tolist()

@@ -30,17 +30,19 @@ hvd.broadcast_parameters(model.state_dict(), root_rank=0)
 hvd.broadcast_optimizer_state(optimizer, root_rank=0)
 
 rng = np.random.default_rng(1000 + hvd.rank())
+data = torch.from_numpy(rng.standard_normal((32, 64), dtype=np.float32))
+target = torch.from_numpy(rng.integers(0, 10, 32))
+losses = []
 for step in range(args.steps):
-    data = torch.from_numpy(rng.standard_normal((32, 64), dtype=np.float32))
-    target = torch.from_numpy(rng.integers(0, 10, 32))
     optimizer.zero_grad()
     loss = F.cross_entropy(model(data), target)
     loss.backward()
     optimizer.step()
+    losses.append(loss.item())
 
 if hvd.rank() == 0:
     with open(args.out, "w") as f:
-        json.dump({"argv": sys.argv, "name": __name__,
+        json.dump({"argv": sys.argv, "name": __name__, "losses": losses,
                    "optimizer": type(optimizer).__module__ + "." + type(optimizer).__qualname__,
                    "hvd_compress_loaded": "hvd_compress" in sys.modules,
                    "weights": {k: v.double().flatten().tolist()
