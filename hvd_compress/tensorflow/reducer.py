@@ -23,9 +23,13 @@ _OP_NAME = re.compile(r"[^A-Za-z0-9_.\-/]")
 _OPS = {"sum": hvd.Sum, "max": hvd.Max}
 
 
-def parameter_name(var) -> str:
-    """A variable's name without the ':0' output suffix ("dense/kernel:0" -> "dense/kernel")."""
-    name = var.name
+def parameter_name(var, index: int = 0) -> str:
+    """A variable's name without the ':0' output suffix ("dense/kernel:0" -> "dense/kernel"). An
+    eager tensor a tape watched has no name: it is known by its position among the sources."""
+    try:
+        name = var.name
+    except AttributeError:
+        return f"source_{index}"
     return name[:-2] if name.endswith(":0") else name
 
 
@@ -96,15 +100,19 @@ class Reducer:
     # Nothing here branches on a tensor's value (tf.cond is explicit), and autograph would
     # otherwise transpile every function the plans call, seconds per trace.
     @tf.autograph.experimental.do_not_convert
-    def reduce(self, grads, variables):
+    def reduce(self, grads, variables, names=None):
+        """The reduced gradients of `variables`. State is keyed by `names`, by default the
+        variables' names (Horovod's use_generic_names: positions)."""
+        if not self.process_set.included():
+            return list(grads)  # as Horovod: a rank outside the process set keeps its own
         if self.sparse_as_dense:
             grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
                      for g in grads]
-        reduced = [self._reduce_one(g, v) for g, v in zip(grads, variables)]
+        names = names or [parameter_name(v, i) for i, v in enumerate(variables)]
+        reduced = [self._reduce_one(g, name) for g, name in zip(grads, names)]
         self.steps.assign_add(1)
         if self._writer is not None:
-            self._write_step(reduced, [parameter_name(v) for g, v in zip(grads, variables)
-                                       if g is not None])
+            self._write_step(reduced, [n for g, n in zip(grads, names) if g is not None])
         return reduced
 
     def compression_report(self) -> dict:
@@ -166,10 +174,9 @@ class Reducer:
                                    name=request.name, process_set=ps)
         return received
 
-    def _reduce_one(self, grad, var):
+    def _reduce_one(self, grad, name: str):
         if grad is None:
             return None
-        name = parameter_name(var)
         opname = "hvdc." + _OP_NAME.sub("_", name)
         nbytes = (grad.shape.num_elements() or 0) * grad.dtype.size
         if (isinstance(grad, tf.IndexedSlices) or self.config.codec == "none"
