@@ -110,6 +110,8 @@ class TFCodec:
                 carry.assign(c_new)
         else:
             payload = lib.hvdc_encode(flat, step, pres, W=wire, **attrs)
+        if info.samples:
+            payload = self.mark_nonfinite(None, flat, payload)
         if not info.linear:
             payload = tf.reshape(payload, [1, -1])
         return Encoded(payload, step, attrs, n, grad.shape, grad.dtype, wire)
@@ -182,6 +184,14 @@ class TFCodec:
             e.assign(e_new)
             return payload
         return lib.hvdc_encode(x, job.step, pres, W=wire, **attrs)
+
+    @staticmethod
+    def mark_nonfinite(job: Job | None, x, payload):
+        if not payload.shape.num_elements():
+            return payload
+        head = tf.where(tf.reduce_all(tf.math.is_finite(x)), payload[:1],
+                        tf.constant(np.nan, payload.dtype))
+        return tf.concat([head, payload[1:]], 0)
 
     def _worker_ef_encode(self, job: Job, x, part: Part, info: CodecInfo, attrs: dict, wire,
                           pres):

@@ -83,6 +83,8 @@ class TorchCodec:
                          payload)
         else:
             _C.encode(info.kernel_id, x, kp, payload)
+        if info.samples:
+            payload = self.mark_nonfinite(None, x, payload)
         if info.variable_size:
             # 1-D: Horovod gathers payloads of any length back to back.
             payload = payload[:_C.encoded_bytes(info.kernel_id, payload, x, kp)]
@@ -201,6 +203,13 @@ class TorchCodec:
             payload = payload[:_C.encoded_bytes(info.kernel_id, payload, x, kp)]
         if job.strategy != ALLREDUCE:
             payload = payload.view(torch.uint8)
+        return payload
+
+    @staticmethod
+    def mark_nonfinite(job: Job | None, x: torch.Tensor, payload: torch.Tensor) -> torch.Tensor:
+        if payload.numel():  # a flag on the device: no wait for the kernels here
+            head = payload[:1]
+            head.copy_(torch.where(torch.isfinite(x).all(), head, float("nan")))
         return payload
 
     def _part_params(self, job: Job, part: Part, info: CodecInfo) -> _C.Params:
