@@ -326,7 +326,11 @@ class TFCodec:
 
 
 class TFAdapter:
-    """StateStore adapter: tf.Variables <-> numpy arrays."""
+    """StateStore adapter: tf.Variables <-> numpy arrays. A step's backups are variables too,
+    made once (outside any trace) and written in the step, so a rollback built in another
+    branch of the graph than the step's compression (tf.cond) can read them."""
+
+    traced = True
 
     def zeros_like(self, like) -> tf.Variable:
         with tf.init_scope():
@@ -360,3 +364,16 @@ class TFAdapter:
 
     def set_counter(self, counter: tf.Variable, value: int) -> None:
         counter.assign(value)
+
+    def backup(self, t: tf.Variable, spare: tf.Variable | None) -> tf.Variable:
+        if spare is None:
+            with tf.init_scope():
+                spare = tf.Variable(tf.zeros(t.shape, t.dtype), trainable=False)
+        spare.assign(t)
+        return spare
+
+    def restore(self, t: tf.Variable, saved: tf.Variable) -> None:
+        t.assign(saved)
+
+    backup_counter = backup
+    restore_counter = restore

@@ -319,6 +319,8 @@ class TorchCodec:
 class TorchAdapter:
     """StateStore adapter: torch tensors <-> numpy arrays."""
 
+    traced = False
+
     def zeros_like(self, like: torch.Tensor) -> torch.Tensor:
         return torch.zeros(like.shape, dtype=like.dtype, device=like.device)
 
@@ -346,3 +348,17 @@ class TorchAdapter:
 
     def set_counter(self, counter: list, value: int) -> None:
         counter[0] = value
+
+    def backup(self, t: torch.Tensor, spare: torch.Tensor | None) -> torch.Tensor:
+        if spare is None:
+            return t.clone()
+        return spare.copy_(t)
+
+    def restore(self, t: torch.Tensor, saved: torch.Tensor) -> None:
+        t.copy_(saved)
+
+    def backup_counter(self, counter: list, spare) -> int:
+        return counter[0]
+
+    def restore_counter(self, counter: list, saved: int) -> None:
+        counter[0] = saved
