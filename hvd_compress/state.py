@@ -94,7 +94,8 @@ class StateStore:
             held = self._adapter.zeros_like(like)
         self._slots[name][kind] = held
         if self._txn is not None and not self._adapter.traced:
-            self._txn[name, kind] = _Made(saved)
+            # from_numpy may share the array's memory with the slot the step then changes
+            self._txn[name, kind] = _Made(None if saved is None else saved.copy())
         else:
             self._touch(name, kind, held)
         return held
