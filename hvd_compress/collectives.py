@@ -200,6 +200,9 @@ class Ops(Protocol):
     else bytes. state: "worker" uses the tensor's residual or codec state sliced to the part,
     "owner" the owner residual of the part, None none."""
 
+    def mark_nonfinite(self, job: Job, x: Any, payload: Any) -> Any: ...
+    """The payload (values in x's dtype) with its first value NaN where x holds a NaN or inf."""
+
     def size(self, payload: Any) -> int: ...
     def concat(self, tensors: list) -> Any: ...
     def split(self, t: Any, sizes: list[int]) -> list: ...
@@ -364,7 +367,10 @@ def _encode_whole(job: Job, ops: Ops) -> tuple[Part, Any, float]:
     prescale, alpha = job.info.average_factors(job.average, job.world)
     part = whole(job)
     job.extra["prescale"] = prescale
-    payload = ops.encode_part(job, ops.prepare(job), part, job.info, "worker")
+    x = ops.prepare(job)
+    payload = ops.encode_part(job, x, part, job.info, "worker")
+    if job.info.samples:
+        payload = ops.mark_nonfinite(job, x, payload)
     job.payload_bytes = ops.size(payload)
     return part, payload, alpha
 

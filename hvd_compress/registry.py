@@ -70,6 +70,10 @@ class CodecInfo:
     frontend runs the codec's own two-allreduce pipeline (kernel_id is then unused).
     prescale_average: with op=Average the payload is divided by the world size before the sum
     (fp16: the sum of many ranks could overflow half precision).
+    samples: the codec keeps elements drawn at random whatever their values (randomk), so a
+    non-finite element not drawn would vanish from the step unseen: its payload (values in the
+    gradient's dtype) gets a NaN first value when the input holds one, and the sum of payloads
+    is NaN on every rank. Codecs that select by value send NaN and inf themselves.
     """
 
     name: str
@@ -99,6 +103,7 @@ class CodecInfo:
     server_codec: str | None = None
     homomorphic_levels: Callable[[dict], int | None] | None = None  # of the kernel fields
     rounds: int = 1
+    samples: bool = False
 
     def __post_init__(self):
         if not self.strategies:  # the codec's own collective, and for non-linear codecs the
@@ -261,7 +266,7 @@ register(CodecInfo(
     wire="k values in the gradient dtype; indices regenerated from the shared seed",
     doc="one random element per stratum of ~n/k, indices from (seed, step, parameter name) "
         "identical on all ranks, so values are allreduced and no index is sent",
-    bits_per_element=lambda isz: 8 * isz, uses_seed=True,
+    bits_per_element=lambda isz: 8 * isz, uses_seed=True, samples=True,
     rejects=(("rescale=true,ef=vanilla",
               "error feedback would carry the n/k-scaled values back as residual and grow them "
               "every step; use rescale=true without ef, or ef=vanilla with rescale=false"),)))

@@ -1,6 +1,12 @@
 """Per-parameter compression state (error-feedback residuals, momentum buffers, step counters),
 keyed by parameter name so it survives `zero_grad(set_to_none=True)` and checkpoints.
 
+A training step is a transaction on the store: between `begin()` and `commit()` the first touch
+of a slot or step counter keeps a backup of it, and `rollback()` puts every touched one back, so
+a step that is skipped (a non-finite gradient, or the user's choice) leaves no trace, not even in
+the step counters that seed random draws. Only what the step touches is copied; each backup
+buffer is kept for the next step (one per slot that steps touch: the state's memory doubles).
+
 The store is framework-neutral: a frontend hands it an adapter that makes and converts its own
 tensors. `state_dict()` holds plain numpy arrays so a checkpoint written by one frontend loads
 into the other for a model with the same parameter names and shapes.
@@ -12,6 +18,14 @@ from typing import Any, Protocol
 import numpy as np
 
 FORMAT = "hvd_compress.state/1"
+_COUNTER = object()  # the kind under which a transaction keeps a step counter's backup
+
+
+class _Made:
+    """A slot or counter created by the open step, and the checkpointed value it took."""
+
+    def __init__(self, pending: Any):
+        self.pending = pending
 
 
 class TensorAdapter(Protocol):
@@ -24,6 +38,14 @@ class TensorAdapter(Protocol):
     def advance(self, counter: Any) -> Any: ...      # the count before this call, then +1
     def counter_value(self, counter: Any) -> int: ...
     def set_counter(self, counter: Any, value: int) -> None: ...
+    # Step transactions: copy into `spare` (a backup this adapter made before, or None) and back.
+    def backup(self, t: Any, spare: Any) -> Any: ...
+    def restore(self, t: Any, saved: Any) -> None: ...
+    def backup_counter(self, counter: Any, spare: Any) -> Any: ...
+    def restore_counter(self, counter: Any, saved: Any) -> None: ...
+    # True where steps run as traced graphs: a slot made during a step is a variable the trace
+    # keeps using, so a rollback resets its value instead of removing it.
+    traced: bool
 
 
 class StateStore:
@@ -36,6 +58,10 @@ class StateStore:
         self._pending: dict[str, dict[str, np.ndarray]] = {}
         self._steps: dict[str, Any] = {}
         self._pending_steps: dict[str, int] = {}
+        # The open step: (name, kind) -> backup, or _Made for a slot the step created; counter
+        # backups under (name, _COUNTER). None outside a step.
+        self._txn: dict[tuple[str, str], Any] | None = None
+        self._spares: dict[tuple[str, str], Any] = {}
 
     @property
     def spec(self) -> str:
@@ -56,6 +82,7 @@ class StateStore:
                 raise ValueError(f"parameter {name!r}: {kind} state is {have[1]}{list(have[0])} "
                                  f"but its gradient is now {dtype}{list(shape)}; parameter names "
                                  f"must identify the same tensors from step to step")
+            self._touch(name, kind, held)
             return held
         saved = self._pending.get(name, {}).pop(kind, None)
         if saved is not None:
@@ -66,7 +93,17 @@ class StateStore:
         else:
             held = self._adapter.zeros_like(like)
         self._slots[name][kind] = held
+        if self._txn is not None and not self._adapter.traced:
+            # from_numpy may share the array's memory with the slot the step then changes
+            self._txn[name, kind] = _Made(None if saved is None else saved.copy())
+        else:
+            self._touch(name, kind, held)
         return held
+
+    def _touch(self, name: str, kind: str, held: Any) -> None:
+        key = (name, kind)
+        if self._txn is not None and key not in self._txn:
+            self._txn[key] = self._adapter.backup(held, self._spares.get(key))
 
     def contains(self, name: str, kind: str) -> bool:
         """Whether the slot exists, live or waiting in a loaded checkpoint."""
@@ -83,10 +120,62 @@ class StateStore:
     def next_step(self, name: str) -> Any:
         """This parameter's compression count so far, then counts one more."""
         counter = self._steps.get(name)
+        key = (name, _COUNTER)
         if counter is None:
-            counter = self._adapter.new_counter(self._pending_steps.pop(name, 0))
+            pending = self._pending_steps.pop(name, None)
+            counter = self._adapter.new_counter(pending or 0)
             self._steps[name] = counter
+            if self._txn is not None and not self._adapter.traced:
+                self._txn[key] = _Made(pending)
+        if self._txn is not None and key not in self._txn:
+            self._txn[key] = self._adapter.backup_counter(counter, self._spares.get(key))
         return self._adapter.advance(counter)
+
+    # ---- step transactions ------------------------------------------------------------------
+    @property
+    def in_step(self) -> bool:
+        return self._txn is not None
+
+    def touched(self) -> bool:
+        """Whether the open step has touched any state."""
+        return bool(self._txn)
+
+    def begin(self) -> None:
+        """Open a step: what it touches from now on can be rolled back."""
+        if self._txn is not None:
+            raise RuntimeError("a compression step is already open; commit() or rollback() it")
+        self._txn = {}
+
+    def commit(self) -> None:
+        """Keep what the open step did (no-op when none is open)."""
+        if self._txn is None:
+            return
+        self._spares.update((k, v) for k, v in self._txn.items() if not isinstance(v, _Made))
+        self._txn = None
+
+    def rollback(self) -> None:
+        """Put every slot and counter the open step touched back as they were before it; slots
+        and counters it created are removed (traced frontends: reset), and checkpointed values
+        they had taken wait again (no-op when no step is open)."""
+        txn, self._txn = self._txn, None
+        if txn is None:
+            return
+        for (name, kind), saved in txn.items():
+            if kind is _COUNTER:
+                if isinstance(saved, _Made):
+                    del self._steps[name]
+                    if saved.pending is not None:
+                        self._pending_steps[name] = saved.pending
+                else:
+                    self._adapter.restore_counter(self._steps[name], saved)
+                    self._spares[name, kind] = saved
+            elif isinstance(saved, _Made):
+                del self._slots[name][kind]
+                if saved.pending is not None:
+                    self._pending.setdefault(name, {})[kind] = saved.pending
+            else:
+                self._adapter.restore(self._slots[name][kind], saved)
+                self._spares[name, kind] = saved
 
     def names(self) -> list[str]:
         return sorted(set(self._slots) | set(self._steps))
@@ -107,6 +196,7 @@ class StateStore:
                 "dtypes": dtypes}
 
     def load_state_dict(self, state: dict, strict_spec: bool = True) -> None:
+        """Replace the state; a step still open is forgotten (its rollback would undo the load)."""
         if not isinstance(state, dict) or state.get("format") != FORMAT:
             got = state.get("format") if isinstance(state, dict) else type(state).__name__
             raise ValueError(f"not an hvd_compress state dict (format {got!r}, expected {FORMAT!r})")
@@ -139,6 +229,8 @@ class StateStore:
                 else:
                     self._pending.setdefault(name, {})[kind] = arr
         self._slots = slots
+        self._txn = None
+        self._spares = {}
         self._pending_steps = {}
         for name, counter in self._steps.items():
             self._adapter.set_counter(counter, steps.pop(name, 0))

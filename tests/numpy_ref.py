@@ -57,6 +57,14 @@ def to_acc(a: np.ndarray, dtype: str) -> np.ndarray:
     return np.asarray(a).astype(acc_type(dtype))
 
 
+def magnitude_keys(a: np.ndarray, dtype: str) -> np.ndarray:
+    """|x| as the kernels' selection keys (key_of): the ordering of |x|, NaN above inf."""
+    v = to_acc(a, dtype)
+    wide = v.dtype == np.float64
+    bits = v.view(np.uint64 if wide else np.uint32)
+    return (bits & bits.dtype.type(2 ** (63 if wide else 31) - 1)).astype(np.int64)
+
+
 def from_acc(v: np.ndarray, dtype: str) -> np.ndarray:
     if dtype == "bfloat16":
         return bf16_bits(np.asarray(v, dtype=np.float32))
@@ -223,8 +231,7 @@ def encode(codec: str, x: np.ndarray, dtype: str, *, k: int = 0, seed: int = 0,
         packed += b"\0" * (8 * ((n + 63) // 64) - len(packed))
         return struct.pack("<If", tag(codec, dtype), float(scale)) + packed
     if codec == "topk":
-        mags = np.abs(to_acc(x, dtype).astype(np.float64))
-        order = np.lexsort((np.arange(n), -mags))[:k]
+        order = np.lexsort((np.arange(n), -magnitude_keys(x, dtype)))[:k]
         idx = np.sort(order).astype("<i4")
         ib = idx.tobytes()
         ib += b"\0" * ((k * 4 + 7) // 8 * 8 - len(ib))
@@ -306,7 +313,7 @@ def dgc_encode(x: np.ndarray, u: np.ndarray, v: np.ndarray, dtype: str, k: int,
     with np.errstate(invalid="ignore", over="ignore"):  # inf gradients give NaN, as in C++
         u2 = from_acc(A(momentum_factor) * to_acc(u, dtype) + g * scale, dtype)
         v2 = from_acc(to_acc(v, dtype) + to_acc(u2, dtype), dtype)
-    mag = np.abs(to_acc(v2, dtype))
+    mag = magnitude_keys(v2, dtype)
     sel = np.zeros(0, np.int64)
     if k and n:
         stride = max(1, n // max(1, n // 100))

@@ -73,13 +73,15 @@ void reduce_sparse(DType d, int64_t n, void* out, double alpha, bool accumulate,
 // Indices (ascending) of the at most k largest |v|, DGC style: a threshold from a 1% strided
 // sample at the target density, lowered (up to 4 times) while fewer than 0.8k pass it, then
 // an exact top-k among the candidates (ties to the lower index) when more than k pass.
+// Magnitudes compare as key_of keys, as in the CUDA kernel: a NaN in the velocity is sent.
 template <class A>
 std::vector<int32_t> dgc_select(const A* v, int64_t n, int64_t k) {
+  using K = decltype(key_of(A()));
   std::vector<int32_t> cand;
   if (k == 0 || n == 0) return cand;
   const int64_t stride = std::max<int64_t>(1, n / std::max<int64_t>(1, n / 100));
-  std::vector<A> sample;
-  for (int64_t i = 0; i < n; i += stride) sample.push_back(std::fabs(v[i]));
+  std::vector<K> sample;
+  for (int64_t i = 0; i < n; i += stride) sample.push_back(key_of(v[i]));
   const int64_t m = static_cast<int64_t>(sample.size());
   int64_t r = std::max<int64_t>(1, (k * m + n / 2) / n);
   int64_t placed = 0;  // sample[0, placed) holds the largest values, each >= what follows
@@ -87,19 +89,19 @@ std::vector<int32_t> dgc_select(const A* v, int64_t n, int64_t k) {
     // The r-th largest sample value. Lowering r later only looks past the ones placed before,
     // so the sample is partitioned once overall (selection, not a sort).
     const int64_t at = std::min(r, m) - 1;
-    std::nth_element(sample.begin() + placed, sample.begin() + at, sample.end(), std::greater<A>());
+    std::nth_element(sample.begin() + placed, sample.begin() + at, sample.end(), std::greater<K>());
     placed = at + 1;
-    const A thr = sample[at];
+    const K thr = sample[at];
     cand.clear();
     for (int64_t i = 0; i < n; ++i)
-      if (std::fabs(v[i]) >= thr) cand.push_back(static_cast<int32_t>(i));
+      if (key_of(v[i]) >= thr) cand.push_back(static_cast<int32_t>(i));
     if (static_cast<int64_t>(cand.size()) * 5 >= k * 4 || r >= m) break;
     r *= 2;
   }
   if (static_cast<int64_t>(cand.size()) > k) {
     std::vector<int32_t> order(cand);
     std::nth_element(order.begin(), order.begin() + (k - 1), order.end(), [&](int32_t a, int32_t b) {
-      const A fa = std::fabs(v[a]), fb = std::fabs(v[b]);
+      const K fa = key_of(v[a]), fb = key_of(v[b]);
       return fa != fb ? fa > fb : a < b;
     });
     order.resize(static_cast<size_t>(k));

@@ -16,13 +16,7 @@ namespace {
 constexpr int64_t kHeader = 8;
 int64_t index_bytes(int64_t k) { return (k * 4 + 7) / 8 * 8; }
 
-// Magnitude as an unsigned key with the order of |x| (NaN ranks above inf: it gets sent).
-inline uint32_t key_of(float v) { return f32_bits(v) & 0x7fffffffu; }
-inline uint64_t key_of(double v) {
-  uint64_t u;
-  std::memcpy(&u, &v, 8);
-  return u & 0x7fffffffffffffffull;
-}
+// Selection by key_of (hvdc/element.h): NaN ranks above inf, so it gets sent.
 template <class T> auto key_at(const T* x, int64_t i) { return key_of(to_acc(x[i])); }
 
 __attribute__((target("avx2"))) void collect_f32_avx2(const float* x, int64_t n, uint32_t t,

@@ -24,8 +24,6 @@ constexpr int64_t kDgcHeader = 16;
 // Magnitude keys with the order of |x| (NaN above inf), in the accumulator type's width.
 template <class A> struct KeyType { using type = uint32_t; };
 template <> struct KeyType<double> { using type = uint64_t; };
-HVDC_HD uint32_t key_of(float v) { return f32_bits(v) & 0x7fffffffu; }
-HVDC_HD uint64_t key_of(double v) { return f64_bits(v) & 0x7fffffffffffffffull; }
 
 // ---- radix select ---------------------------------------------------------------------------
 // Up to kTargets ranks are selected in the same passes (DGC's sample thresholds).

@@ -112,6 +112,8 @@ class TFCodec:
                 carry.assign(c_new)
         else:
             payload = lib.hvdc_encode(flat, step, pres, W=wire, **attrs)
+        if info.samples:
+            payload = self.mark_nonfinite(None, flat, payload)
         if not info.linear:
             payload = tf.reshape(payload, [1, -1])
         return Encoded(payload, step, attrs, n, grad.shape, grad.dtype, wire)
@@ -193,6 +195,14 @@ class TFCodec:
             e.assign(e_new)
             return payload
         return lib.hvdc_encode(x, job.step, pres, W=wire, **attrs)
+
+    @staticmethod
+    def mark_nonfinite(job: Job | None, x, payload):
+        if not payload.shape.num_elements():
+            return payload
+        head = tf.where(tf.reduce_all(tf.math.is_finite(x)), payload[:1],
+                        tf.constant(np.nan, payload.dtype))
+        return tf.concat([head, payload[1:]], 0)
 
     def _worker_ef_encode(self, job: Job, x, part: Part, info: CodecInfo, attrs: dict, wire,
                           pres):
@@ -333,7 +343,11 @@ class TFCodec:
 
 
 class TFAdapter:
-    """StateStore adapter: tf.Variables <-> numpy arrays."""
+    """StateStore adapter: tf.Variables <-> numpy arrays. A step's backups are variables too,
+    made once (outside any trace) and written in the step, so a rollback built in another
+    branch of the graph than the step's compression (tf.cond) can read them."""
+
+    traced = True
 
     def zeros_like(self, like) -> tf.Variable:
         with tf.init_scope():
@@ -367,3 +381,16 @@ class TFAdapter:
 
     def set_counter(self, counter: tf.Variable, value: int) -> None:
         counter.assign(value)
+
+    def backup(self, t: tf.Variable, spare: tf.Variable | None) -> tf.Variable:
+        if spare is None:
+            with tf.init_scope():
+                spare = tf.Variable(tf.zeros(t.shape, t.dtype), trainable=False)
+        spare.assign(t)
+        return spare
+
+    def restore(self, t: tf.Variable, saved: tf.Variable) -> None:
+        t.assign(saved)
+
+    backup_counter = backup
+    restore_counter = restore

@@ -109,11 +109,37 @@ class Reducer:
             grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
                      for g in grads]
         names = names or [parameter_name(v, i) for i, v in enumerate(variables)]
-        reduced = [self._reduce_one(g, name) for g, name in zip(grads, names)]
+        self.store.begin()
+        try:
+            reduced = [self._reduce_one(g, name) for g, name in zip(grads, names)]
+        except BaseException:
+            self.store.rollback()
+            raise
+        self._end_step(reduced)
         self.steps.assign_add(1)
         if self._writer is not None:
             self._write_step(reduced, [n for g, n in zip(grads, names) if g is not None])
         return reduced
+
+    def _end_step(self, reduced) -> None:
+        """The step's state stays unless a reduced gradient is not finite: then every slot and
+        counter it touched is put back (all ranks hold the same reduced gradients, so all
+        decide alike), as a skipped step must leave no trace. Only compressed steps touch
+        state."""
+        store = self.store
+        if not store.touched():
+            store.commit()
+            return
+        finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(
+            g.values if isinstance(g, tf.IndexedSlices) else g)) for g in reduced if g is not None])
+
+        def roll_back():
+            store.rollback()
+            return tf.constant(False)
+
+        tf.cond(tf.logical_or(finite, tf.logical_not(self.enabled)), lambda: tf.constant(True),
+                roll_back)
+        store.commit()
 
     def compression_report(self) -> dict:
         """Bytes per step, ratio and codec-kernel time since this reducer was built, with the

@@ -84,6 +84,8 @@ class TorchCodec:
                          payload)
         else:
             _C.encode(info.kernel_id, x, kp, payload)
+        if info.samples:
+            payload = self.mark_nonfinite(None, x, payload)
         if info.variable_size:
             # 1-D: Horovod gathers payloads of any length back to back.
             payload = payload[:_C.encoded_bytes(info.kernel_id, payload, x, kp)]
@@ -220,6 +222,13 @@ class TorchCodec:
             payload = payload.view(torch.uint8)
         return payload
 
+    @staticmethod
+    def mark_nonfinite(job: Job | None, x: torch.Tensor, payload: torch.Tensor) -> torch.Tensor:
+        if payload.numel():  # a flag on the device: no wait for the kernels here
+            head = payload[:1]
+            head.copy_(torch.where(torch.isfinite(x).all(), head, float("nan")))
+        return payload
+
     def _part_params(self, job: Job, part: Part, info: CodecInfo) -> _C.Params:
         seed = derive_seed(self.config.seed, part.seed_key, job.step) if info.uses_seed else 0
         return _params(part.field_dict, seed, job.extra.get("prescale", 1.0))
@@ -327,6 +336,8 @@ class TorchCodec:
 class TorchAdapter:
     """StateStore adapter: torch tensors <-> numpy arrays."""
 
+    traced = False
+
     def zeros_like(self, like: torch.Tensor) -> torch.Tensor:
         return torch.zeros(like.shape, dtype=like.dtype, device=like.device)
 
@@ -354,3 +365,17 @@ class TorchAdapter:
 
     def set_counter(self, counter: list, value: int) -> None:
         counter[0] = value
+
+    def backup(self, t: torch.Tensor, spare: torch.Tensor | None) -> torch.Tensor:
+        if spare is None:
+            return t.clone()
+        return spare.copy_(t)
+
+    def restore(self, t: torch.Tensor, saved: torch.Tensor) -> None:
+        t.copy_(saved)
+
+    def backup_counter(self, counter: list, spare) -> int:
+        return counter[0]
+
+    def restore_counter(self, counter: list, saved: int) -> None:
+        counter[0] = saved

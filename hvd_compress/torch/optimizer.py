@@ -16,6 +16,12 @@ in Horovod. Only the per-parameter reduction is ours:
        allreduce's owners reduce and issue their allgather) before any is waited on to the
        end, then decoded into the gradient.
 
+Each step is a transaction on the state store (StateStore.begin): it opens at the step's first
+reduction and is committed by step(). It is rolled back in synchronize() when a reduced gradient
+is not finite (every rank holds the same reduced gradients, so all decide alike without a
+collective), and when a step was synchronized but never stepped (the user skipped it: seen at
+zero_grad() or at the next step's first reduction).
+
 Tensors under `min_compress_bytes` go through Horovod's plain allreduce, as do sparse gradients.
 """
 from __future__ import annotations
@@ -62,6 +68,7 @@ class _CompressedReduction:
         self._hvdc_stats = CompressionStats()
         self._hvdc_codec_ns = _C.codec_time_ns()  # the kernels' clock is per process
         self._hvdc_writer = None
+        self._hvdc_synced = False  # synchronized and finite: committed by step()
         self._hvdc_codec = TorchCodec(config, self._hvdc_store, rank=process_set.rank(),
                                       world=process_set.size())
         self._hvdc_powersgd = (PowerSGDReduction(config, self._hvdc_store, process_set,
@@ -82,6 +89,10 @@ class _CompressedReduction:
                 if p.numel() * p.element_size() >= min_compress_bytes)
 
     def _allreduce_grad_async(self, p):
+        if self._hvdc_synced:  # the last step was synchronized but never taken
+            self._hvdc_abandon()
+        if not self._hvdc_store.in_step:
+            self._hvdc_store.begin()
         if p.grad is None:
             p.grad = p.data.new(p.size()).zero_()
         grad = p.grad
@@ -133,9 +144,35 @@ class _CompressedReduction:
         _DistributedOptimizer.synchronize(self)
         if self._hvdc_powersgd is not None:
             self._hvdc_powersgd.end_step()
+        store = self._hvdc_store
+        if store.touched() and not self._hvdc_finite():
+            store.rollback()
+        elif store.in_step:
+            self._hvdc_synced = True
         self._hvdc_stats.end_step()
         if self._hvdc_writer is not None:
             self._hvdc_write_step()
+
+    def _hvdc_finite(self) -> bool:
+        flags = [torch.isfinite(g._values() if g.is_sparse else g).all()
+                 for g in (p.grad for p in self._requires_update) if g is not None]
+        return not flags or bool(torch.stack(flags).all())
+
+    def _hvdc_abandon(self) -> None:
+        self._hvdc_synced = False
+        self._hvdc_store.rollback()
+
+    def step(self, closure=None):
+        loss = _DistributedOptimizer.step(self, closure)
+        if self._hvdc_synced:
+            self._hvdc_synced = False
+            self._hvdc_store.commit()
+        return loss
+
+    def zero_grad(self):
+        if self._hvdc_synced:  # gradients dropped after synchronize(): the step is skipped
+            self._hvdc_abandon()
+        return _DistributedOptimizer.zero_grad(self)
 
     def compression_report(self) -> dict:
         """Bytes per step, ratio and codec-kernel time since this optimizer was built, with the
@@ -169,6 +206,7 @@ class _CompressedReduction:
         return self._hvdc_store.state_dict()
 
     def load_compression_state_dict(self, state: dict, strict_spec: bool = True) -> None:
+        self._hvdc_synced = False
         self._hvdc_store.load_state_dict(state, strict_spec=strict_spec)
 
     @property

@@ -293,3 +293,94 @@ def test_eager_tape_over_watched_tensors():
     want = sum(2 * np.arange(40000, dtype=np.float32) * (r + 1) / 40000 for r in range(WORLD))
     np.testing.assert_allclose(reduced.numpy(), want / WORLD, rtol=2e-3)
     assert got.compression_stats.tensors["source_0"].codec == "fp16"
+
+
+# ---- a skipped step leaves no trace in the compression state --------------------------------
+TF_STATEFUL = ["onebit,ef=vanilla", "signsgd,ef=vanilla", "efsignsgd", "topk,k=0.01,ef=vanilla",
+               "randomk,k=0.01,ef=vanilla", "fp16,ef=vanilla", "minmax8,ef=vanilla",
+               "dithering,ef=vanilla", "onebit,ef=vanilla,momentum=nesterov,mu=0.9",
+               "signsgd,momentum=nesterov,mu=0.5", "onebit,ef=vanilla,collective=allreduce",
+               "topk,k=0.05,ef=vanilla,collective=allreduce",
+               "minmax8,ef=vanilla,collective=allreduce", "fp16,ef=vanilla,collective=allreduce"]
+
+
+def tf_skip_probe(spec, graph, bad_step=None, value=np.nan, left_out=None, steps=6):
+    """The small MLP, its gradients reduced as DistributedGradientTape and the Keras optimizer
+    reduce them (a reducer of its own per run, so two runs share no state), the step applied
+    only when every reduced gradient is finite (LossScaleOptimizer's rule). bad_step: rank 1's
+    first-layer gradient gets `value` in one element; left_out: that batch is never run.
+    Returns (variables, reducer, skipped)."""
+    import hvd_compress as hc
+    rng = np.random.default_rng(0)
+    shapes = {"w1": (32, 64), "b1": (64,), "w2": (64, 1), "b2": (1,)}
+    vs = [tf.Variable((rng.standard_normal(s) * 0.3).astype("float32"), name=f"probe/{k}")
+          for k, s in shapes.items()]
+    reducer = hvdt.Reducer(hc.parse_spec(spec), 0, hvd.Average, hvd.global_process_set)
+
+    def step(x, y, poison):
+        w1, b1, w2, b2 = vs
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((tf.tanh(x @ w1 + b1) @ w2 + b2 - y) ** 2)
+        grads = tape.gradient(loss, vs)
+        reduced = reducer.reduce([grads[0] + poison] + grads[1:], vs)
+        finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in reduced])
+
+        def apply():
+            for v, g in zip(vs, reduced):
+                v.assign_sub(0.05 * g)
+            return tf.constant(True)
+
+        return tf.cond(finite, apply, lambda: tf.constant(False))
+
+    run = tf.function(step) if graph else step
+    skipped = []
+    for i in range(steps):
+        if i == left_out:
+            continue
+        data = np.random.default_rng(1000 * i + RANK)
+        x = data.standard_normal((32, 32)).astype("float32")
+        y = np.tanh(x[:, :1]).astype("float32")
+        poison = np.zeros((32, 64), "float32")
+        if i == bad_step and RANK == 1:
+            poison.flat[5] = value
+        if not bool(run(tf.constant(x), tf.constant(y), tf.constant(poison))):
+            skipped.append(i)
+    return vs, reducer, skipped
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "function"])
+@pytest.mark.parametrize("value", [np.nan, np.inf], ids=["nan", "inf"])
+@pytest.mark.parametrize("spec", TF_STATEFUL)
+def test_non_finite_step_is_skipped_once_and_leaves_no_trace(spec, value, graph):
+    vs, reducer, skipped = tf_skip_probe(spec, graph, bad_step=3, value=value)
+    assert skipped == [3]
+    flat = tf.concat([tf.reshape(v, [-1]) for v in vs], 0)
+    assert bool(tf.reduce_all(tf.math.is_finite(flat)))
+    gathered = hvd.allgather(tf.expand_dims(flat, 0), name="probe_weights")
+    assert np.array_equal(gathered[0].numpy(), gathered[1].numpy())
+    vs_b, reducer_b, skipped_b = tf_skip_probe(spec, graph, left_out=3)
+    assert skipped_b == []
+    for a, b in zip(vs, vs_b):
+        assert same_bits(a.numpy(), b.numpy())
+    got, want = reducer.state_dict(), reducer_b.state_dict()
+    if "collective=allreduce" in spec:  # the owner residuals are part of what is compared
+        assert any(k.startswith("owner_ef[") for kinds in want["slots"].values() for k in kinds)
+    assert got["steps"] == want["steps"] and got["slots"].keys() == want["slots"].keys()
+    for name, kinds in want["slots"].items():
+        assert got["slots"][name].keys() == kinds.keys()
+        for kind, arr in kinds.items():
+            assert same_bits(got["slots"][name][kind], arr), (name, kind)
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "function"])
+@pytest.mark.parametrize("spec", ["randomk,k=0.01", "topk,k=0.001",
+                                  "topk,k=0.001,collective=allreduce"])
+def test_sparse_codecs_show_a_non_finite_element_on_every_rank(spec, graph):
+    n = 6000
+    var = tf.Variable(tf.zeros([n]), name=f"vis_{spec}_{graph}")
+    g = grads_for_step(n, "float32", 0, WORLD)[RANK] * np.float32(1e-3)
+    if RANK == 1:
+        g[4321] = np.nan
+    fn = tf.function(lambda g: tape_step(var, g, spec, graph=False)) if graph else (
+        lambda g: tape_step(var, g, spec, graph=False))
+    assert not bool(tf.reduce_all(tf.math.is_finite(fn(tf.constant(g)))))

@@ -496,3 +496,135 @@ def test_powersgd_warm_start_keeps_q_and_cold_start_redraws_it():
     assert not np.allclose(qts["true"][0], first)
     # cold start: every step begins from a fresh draw, so step 1's result differs from warm
     assert not np.allclose(qts["true"][1], qts["false"][1])
+
+
+# ---- a skipped step leaves no trace in the compression state --------------------------------
+# Every codec that keeps state (residuals, momentum, DGC's velocity, PowerSGD's Q and error,
+# step counters that seed draws), and collective=allreduce where the compressed allreduce's
+# owners keep residuals of their own.
+STATEFUL = ["onebit,ef=vanilla", "signsgd,ef=vanilla", "efsignsgd", "topk,k=0.01,ef=vanilla",
+            "randomk,k=0.01,ef=vanilla", "fp16,ef=vanilla", "minmax8,ef=vanilla",
+            "dithering,ef=vanilla", "dgc,k=0.01", "powersgd,rank=2,start_iter=2",
+            "threshold,threshold=0.002,ef=vanilla", "onebit,ef=vanilla,momentum=nesterov,mu=0.9",
+            "signsgd,momentum=nesterov,mu=0.5", "onebit,ef=vanilla,collective=allreduce",
+            "topk,k=0.05,ef=vanilla,collective=allreduce",
+            "minmax8,ef=vanilla,collective=allreduce", "fp16,ef=vanilla,collective=allreduce",
+            "dgc,k=0.05,collective=allreduce",
+            "threshold,threshold=0.002,ef=vanilla,collective=allreduce"]
+POISONED = 5  # the element of rank 1's first-layer weight gradient that becomes non-finite
+
+
+def skip_probe(spec, bad_step=None, value=float("nan"), left_out=None, user_skip=None,
+               clear=True, steps=8):
+    """The recovery loop of GradScaler / LossScaleOptimizer on the small MLP: synchronize, skip
+    the step when a reduced gradient is not finite. bad_step: rank 1's gradient gets `value` in
+    one element (inside backward, before the optimizer's hook sees it). left_out: that batch is
+    never run. user_skip: that step is skipped though finite. clear: opt.zero_grad() before each
+    backward, else the gradients are set to None by hand. Returns (model, optimizer, skipped)."""
+    model = make_model()
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    opt = hvdc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                    named_parameters=model.named_parameters(), compression=spec,
+                                    min_compress_bytes=0)
+    xs, ys = regression_data(RANK, steps)
+    skipped = []
+
+    def poison(g):
+        g = g.clone()
+        g.view(-1)[POISONED] = value
+        return g
+
+    for i in range(steps):
+        if i == left_out:
+            continue
+        if clear:
+            opt.zero_grad()
+        else:
+            for q in model.parameters():
+                q.grad = None
+        hook = model[0].weight.register_hook(poison) if i == bad_step and RANK == 1 else None
+        torch.nn.functional.mse_loss(model(xs[i]), ys[i]).backward()
+        if hook is not None:
+            hook.remove()
+        opt.synchronize()
+        finite = all(bool(torch.isfinite(q.grad).all()) for q in model.parameters())
+        if finite and i != user_skip:
+            with opt.skip_synchronize():
+                opt.step()
+        else:
+            skipped.append(i)
+    return model, opt, skipped
+
+
+def assert_same_state(got, want):
+    assert got["steps"] == want["steps"]
+    assert got["slots"].keys() == want["slots"].keys()
+    for name, kinds in want["slots"].items():
+        assert got["slots"][name].keys() == kinds.keys(), name
+        for kind, arr in kinds.items():
+            assert same_bits(got["slots"][name][kind], arr), (name, kind)
+
+
+def assert_as_if_never_run(model, opt, spec, left_out):
+    """Weights finite and equal on both ranks, and weights and compression state equal bit for
+    bit to a run in which that step's batch never ran."""
+    assert all(bool(torch.isfinite(q).all()) for q in model.parameters())
+    assert same_on_all_ranks(model)
+    model_b, opt_b, skipped_b = skip_probe(spec, left_out=left_out)
+    assert skipped_b == []
+    for a, b in zip(model.parameters(), model_b.parameters()):
+        assert torch.equal(a, b)
+    assert_same_state(opt.compression_state_dict(), opt_b.compression_state_dict())
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+@pytest.mark.parametrize("spec", STATEFUL)
+def test_non_finite_step_is_skipped_once_and_leaves_no_trace(spec, value):
+    model, opt, skipped = skip_probe(spec, bad_step=3, value=value)
+    assert skipped == [3]
+    state = opt.compression_state_dict()
+    if "collective=allreduce" in spec:  # the owner residuals are part of what is compared
+        assert any(k.startswith("owner_ef[") or k.startswith("dgc_")
+                   for kinds in state["slots"].values() for k in kinds)
+    assert_as_if_never_run(model, opt, spec, left_out=3)
+
+
+@pytest.mark.parametrize("spec", ["topk,k=0.01,ef=vanilla", "powersgd,rank=2,start_iter=0",
+                                  "dgc,k=0.01", "randomk,k=0.01,ef=vanilla"])
+def test_non_finite_first_step_leaves_no_slot_behind(spec):
+    """The state a first step creates is removed with it: PowerSGD draws its first Q again."""
+    model, opt, skipped = skip_probe(spec, bad_step=0)
+    assert skipped == [0]
+    assert_as_if_never_run(model, opt, spec, left_out=0)
+
+
+@pytest.mark.parametrize("clear", [True, False], ids=["zero_grad", "grad_none"])
+@pytest.mark.parametrize("spec", ["topk,k=0.01,ef=vanilla", "onebit,ef=vanilla,momentum=nesterov",
+                                  "powersgd,rank=2,start_iter=2", "dgc,k=0.05,collective=allreduce"])
+def test_step_the_user_skips_leaves_no_trace(spec, clear):
+    """Synchronized, finite, but never stepped: undone at zero_grad() or, without it, when the
+    next step's first gradient is reduced."""
+    model, opt, skipped = skip_probe(spec, user_skip=3, clear=clear)
+    assert skipped == [3]
+    assert_as_if_never_run(model, opt, spec, left_out=3)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+@pytest.mark.parametrize("spec", ["randomk,k=0.01", "randomk,k=0.01,ef=vanilla", "topk,k=0.001",
+                                  "dgc,k=0.001", "threshold,threshold=100",
+                                  "topk,k=0.001,collective=allreduce",
+                                  "dgc,k=0.001,collective=allreduce",
+                                  "threshold,threshold=100,collective=allreduce"])
+def test_sparse_codecs_show_a_non_finite_element_on_every_rank(spec, value):
+    """An element that sampling or selection leaves out would otherwise go unseen this step
+    and wait in the residual or DGC's velocity."""
+    from helpers import row_optimizer
+    n = 6000
+    p, opt = row_optimizer(spec, n)
+    g = grads_for_step(n, "float32", 0, WORLD)[RANK] * np.float32(1e-3)
+    if RANK == 1:
+        g[4321] = value
+    out = reduce_step(p, opt, n2t(g, "float32").view(1, n)).reshape(-1)
+    assert not bool(torch.isfinite(out).all())
+    flags = hvd.allgather(torch.tensor([[int(bool(torch.isfinite(out).all()))]]), name="vis")
+    assert flags.sum().item() == 0

@@ -93,6 +93,27 @@ def test_dgc_matches_reference(kw, n, k, dtype):
         assert same_bits(t2n(out), ref.decode("dgc", want, n, dtype, 1.0))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bad", [(float("nan"),), (float("inf"), float("-inf")),
+                                 (float("nan"), float("inf"))])
+def test_dgc_sends_non_finite_velocities(bad, dtype):
+    """NaN ranks above inf, as in top-k: whatever the sample's threshold, a non-finite element
+    is sent rather than left waiting in the velocity."""
+    n, k = 3000, 5
+    x = random_grad(n, dtype, seed=4)
+    at = [17 + 401 * j for j in range(len(bad))]  # off the 1% sample's stride of 30
+    for i, b in zip(at, bad):
+        x[i] = b
+    u, v = torch.zeros_like(x), torch.zeros_like(x)
+    payload, p = dgc_step(x, u, v, k)
+    want, _, _ = ref.dgc_encode(t2n(x), t2n(torch.zeros_like(x)), t2n(torch.zeros_like(x)),
+                                dtype, k)
+    assert payload_bytes(payload) == want
+    out = torch.empty_like(x)
+    _C.decode(DGC, payload, out, p, 1.0, False)
+    assert not torch.isfinite(out[at]).any()
+
+
 @pytest.mark.parametrize("density", [0.001, 0.01, 0.05])
 def test_dgc_density_within_bounds_after_adaptation(density):
     n = 300000

@@ -127,3 +127,48 @@ def test_unsupported_dtype_and_device_errors():
     codec = TorchCodec(hc.parse_spec("onebit"), store())
     with pytest.raises(ValueError, match="gradient has dtype torch.int32; compression supports"):
         codec.encode("w", torch.ones(3, dtype=torch.int32))
+
+
+def test_rollback_restores_touched_slots_and_counters_and_removes_new_ones():
+    s = store()
+    e = s.slot("w", "ef", torch.ones(3))
+    e.fill_(1.0)
+    s.next_step("w")
+    s.begin()
+    s.slot("w", "ef", torch.ones(3)).fill_(7.0)
+    assert s.next_step("w") == 1
+    s.slot("b", "ef", torch.ones(2)).fill_(5.0)
+    s.next_step("b")
+    assert s.touched()
+    s.rollback()
+    assert not s.in_step and torch.equal(e, torch.ones(3)) and s.slot("w", "ef", e) is e
+    assert s.state_dict()["steps"] == {"w": 1} and set(s.state_dict()["slots"]) == {"w"}
+    s.begin()
+    s.slot("w", "ef", e).fill_(2.0)
+    s.commit()
+    s.begin()
+    s.rollback()  # touched nothing: nothing changes
+    assert torch.equal(e, torch.full((3,), 2.0))
+
+
+def test_rollback_of_a_first_step_after_a_load_keeps_the_checkpoint_waiting():
+    saved = store()
+    saved.slot("w", "ef", torch.ones(3)).fill_(4.0)
+    saved.next_step("w")
+    s = store()
+    s.load_state_dict(saved.state_dict())
+    s.begin()
+    s.slot("w", "ef", torch.ones(3)).fill_(9.0)
+    s.next_step("w")
+    s.rollback()
+    assert torch.equal(s.slot("w", "ef", torch.ones(3)), torch.full((3,), 4.0))
+    assert s.next_step("w") == 1
+
+
+def test_stock_randomk_shows_an_element_it_did_not_draw():
+    drawn = ref.randomk_strata(1000, 10, hc.derive_seed(0, "[1000]#0", 0))[0]
+    x = torch.zeros(1000)
+    x[drawn[0] ^ 1] = float("nan")  # a neighbour in stratum 0 [0, 100), not drawn
+    payload, _ = Compression.randomk(k=0.01).compress(x)
+    assert torch.isnan(payload[0]) and torch.isfinite(payload[1:]).all()
+    assert torch.isfinite(Compression.randomk(k=0.01).compress(torch.zeros(1000))[0]).all()

@@ -56,6 +56,11 @@ HVDC_HD double bits_f64(uint64_t u) {
 #endif
 }
 
+// Magnitude as an unsigned key with the order of |x|, NaN above inf: the sparsifiers select by
+// it, so a NaN is always among the elements sent and never hidden.
+HVDC_HD uint32_t key_of(float v) { return f32_bits(v) & 0x7fffffffu; }
+HVDC_HD uint64_t key_of(double v) { return f64_bits(v) & 0x7fffffffffffffffull; }
+
 // Conversions are written out bit by bit (round to nearest even, NaN kept quiet) so results do
 // not depend on the compiler's, the GPU's or the framework's half-precision support.
 HVDC_HD uint16_t f32_to_f16_bits(float f) {
