@@ -69,13 +69,17 @@ class _CompressedReduction:
         self._hvdc_codec_ns = _C.codec_time_ns()  # the kernels' clock is per process
         self._hvdc_writer = None
         self._hvdc_synced = False  # synchronized and finite: committed by step()
-        self._hvdc_codec = TorchCodec(config, self._hvdc_store, rank=process_set.rank(),
-                                      world=process_set.size())
+        # A rank outside the process set steps on its own gradients, as with Horovod's
+        # optimizer (which registers no hooks there): nothing of the set is asked of it.
+        member = process_set.included()
+        self._hvdc_codec = TorchCodec(config, self._hvdc_store,
+                                      rank=process_set.rank() if member else 0,
+                                      world=process_set.size() if member else 1)
         self._hvdc_powersgd = (PowerSGDReduction(config, self._hvdc_store, process_set,
                                                  average=op == hvd.Average)
-                               if config.info.rounds == 2 else None)
+                               if config.info.rounds == 2 and member else None)
         self._hvdc_nodes, self._hvdc_groups = None, {None: process_set}
-        if config.hierarchical:
+        if config.hierarchical and member:
             self._hvdc_nodes, local, cross = node_process_sets(process_set)
             self._hvdc_groups.update({collectives.LOCAL: local, collectives.CROSS: cross})
         _DistributedOptimizer.__init__(

@@ -19,7 +19,9 @@ import hvd_compress.tensorflow as hvdt
 import hvd_compress.tensorflow.keras as hvdk
 from hvd_compress.tensorflow import Compression
 
-hvd.init()
+# A set without rank 1: rank 1 must then keep its own gradients, as with Horovod.
+FIRST = hvd.ProcessSet([0])
+hvd.init(process_sets=[FIRST])
 WORLD, RANK = hvd.size(), hvd.rank()
 pytestmark = two_rank_marker(WORLD)
 TF_DTYPES = {"float32": tf.float32, "float64": tf.float64}
@@ -384,3 +386,21 @@ def test_sparse_codecs_show_a_non_finite_element_on_every_rank(spec, graph):
     fn = tf.function(lambda g: tape_step(var, g, spec, graph=False)) if graph else (
         lambda g: tape_step(var, g, spec, graph=False))
     assert not bool(tf.reduce_all(tf.math.is_finite(fn(tf.constant(g)))))
+
+
+@pytest.mark.parametrize("graph", [False, True])
+@pytest.mark.parametrize("spec", ["none", "onebit,ef=vanilla"])
+def test_a_rank_outside_the_process_set_keeps_its_own_gradient(spec, graph):
+    model, x = _two_layer_model(5)
+
+    def grads(make):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(model(x) ** 2)
+        return make(tape).gradient(loss, model.trainable_variables)
+
+    run = (lambda f: tf.function(lambda: grads(f))()) if graph else grads
+    want = run(lambda t: hvd.DistributedGradientTape(t, process_set=FIRST))
+    got = run(lambda t: hvdt.DistributedGradientTape(t, compression=spec, process_set=FIRST,
+                                                     min_compress_bytes=0))
+    if RANK == 1 or spec == "none":
+        assert all(np.array_equal(a.numpy(), b.numpy()) for a, b in zip(got, want))

@@ -20,7 +20,9 @@ import hvd_compress as hc
 import hvd_compress.torch as hvdc
 from hvd_compress.torch import Compression
 
-hvd.init()
+# A set without rank 1: rank 1 must then step on its own gradients, as with Horovod.
+FIRST = hvd.ProcessSet([0])
+hvd.init(process_sets=[FIRST])
 WORLD = hvd.size()
 RANK = hvd.rank()
 pytestmark = two_rank_marker(WORLD)
@@ -628,3 +630,28 @@ def test_sparse_codecs_show_a_non_finite_element_on_every_rank(spec, value):
     assert not bool(torch.isfinite(out).all())
     flags = hvd.allgather(torch.tensor([[int(bool(torch.isfinite(out).all()))]]), name="vis")
     assert flags.sum().item() == 0
+
+
+@pytest.mark.parametrize("spec", ["none", "onebit,ef=vanilla", "topk,k=0.01,ef=vanilla",
+                                  "powersgd,rank=1", "onebit,ef=vanilla,collective=allreduce"])
+def test_a_rank_outside_the_process_set_steps_on_its_own_gradient(spec):
+    """As Horovod's optimizer: rank 1, outside the set, applies its local gradient; rank 0,
+    alone in it, gets its own gradient back from Horovod (spec none: bit for bit)."""
+    def train(make):
+        torch.manual_seed(3)
+        model = torch.nn.Linear(300, 100)
+        opt = make(torch.optim.SGD(model.parameters(), lr=0.1), model)
+        x = torch.randn(8, 300, generator=torch.Generator().manual_seed(RANK))
+        for _ in range(3):
+            opt.zero_grad()
+            model(x).square().sum().backward()
+            opt.step()
+        return [p.detach().clone() for p in model.parameters()]
+
+    want = train(lambda o, m: hvd.DistributedOptimizer(o, named_parameters=m.named_parameters(),
+                                                       process_set=FIRST))
+    got = train(lambda o, m: hvdc.DistributedOptimizer(o, named_parameters=m.named_parameters(),
+                                                       process_set=FIRST, compression=spec,
+                                                       min_compress_bytes=0))
+    if RANK == 1 or spec == "none":
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
