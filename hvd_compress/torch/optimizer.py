@@ -99,6 +99,10 @@ class _CompressedReduction:
             self._hvdc_store.begin()
         if p.grad is None:
             p.grad = p.data.new(p.size()).zero_()
+        if not p.grad.is_sparse and not p.grad.is_contiguous():
+            # A transposed view or a channels_last gradient: Horovod's collectives (the plain
+            # path, PowerSGD's) take contiguous tensors only, and the result lands in p.grad.
+            p.grad = p.grad.contiguous()
         grad = p.grad
         name = self._parameter_names.get(p)
         if (grad.is_sparse or self._hvdc_config.codec == "none" or grad.dtype not in DTYPE_NAMES

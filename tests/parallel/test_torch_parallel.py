@@ -655,3 +655,30 @@ def test_a_rank_outside_the_process_set_steps_on_its_own_gradient(spec):
                                                        min_compress_bytes=0))
     if RANK == 1 or spec == "none":
         assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("kind", ["transposed", "channels_last"])
+@pytest.mark.parametrize("spec", ["none", "powersgd,rank=1", "onebit,ef=vanilla",
+                                  "topk,k=0.1,ef=vanilla"])
+def test_non_contiguous_gradients_reduce_like_a_contiguous_twin(spec, kind):
+    """Horovod's own optimizer refuses these ("Tensor is required to be contiguous")."""
+    def reduced(layout):
+        shape = (6, 4, 5, 5) if kind == "channels_last" else (40, 30)
+        p = torch.nn.Parameter(torch.zeros(shape))
+        opt = hvdc.DistributedOptimizer(torch.optim.SGD([p], lr=0.0), named_parameters=[("w", p)],
+                                        compression=spec, min_compress_bytes=0)
+        out = []
+        for step in range(3):
+            g = torch.randn(shape, generator=torch.Generator().manual_seed(10 * step + RANK))
+            opt.zero_grad()
+            p.grad = layout(g)
+            opt.synchronize()
+            out.append(p.grad.contiguous().clone())
+            with opt.skip_synchronize():
+                opt.step()
+        return out
+
+    odd = ((lambda g: g.contiguous(memory_format=torch.channels_last)) if kind == "channels_last"
+           else (lambda g: g.t().contiguous().t()))
+    for got, want in zip(reduced(odd), reduced(lambda g: g)):
+        assert torch.equal(got, want)
