@@ -187,6 +187,10 @@ __attribute__((target("avx2"))) int64_t dither_linear_f32_avx2(const float* x, i
   return i;
 }
 
+// Elements per chunk of the float32 natural encoder (see natural_encode_f32): its input stays
+// in L1 between the max and the coding pass.
+constexpr int64_t kNaturalChunk = 4096;
+
 // natural, float32 input: max|x| as the largest magnitude bit pattern. For non-negative floats
 // integer order is value order, and NaN and Inf patterns lie above every finite one, so one
 // integer max gives both the maximum and whether everything is finite.
@@ -233,6 +237,9 @@ __attribute__((target("avx2"))) void natural_codes_f32_avx2(const float* x, int6
   __m256i key = uniform_keys8(seed, (i0 >> 4) << 3);
   int64_t i = i0;
   for (; i + 32 <= i1; i += 32) {
+    // The next chunk, so that memory keeps streaming while this one is coded.
+    __builtin_prefetch(x + i + kNaturalChunk, 0, 3);
+    __builtin_prefetch(x + i + kNaturalChunk + 16, 0, 3);
     __m256i k7[4];  // k * 128 of each element's u = k / 2^16
     for (int h = 0; h < 2; ++h) {
       const __m256i w = uniform_hash8(seed, key);
@@ -272,12 +279,11 @@ __attribute__((target("avx2"))) void natural_codes_f32_avx2(const float* x, int6
 // again once it is final; a gradient usually reaches its top binade within its first chunks,
 // and at worst x is read twice, as with a separate max pass. Returns top (see natural_encode).
 int32_t natural_encode_f32(const float* x, int64_t n, uint64_t seed, uint8_t* codes) {
-  constexpr int64_t kChunk = 4096;
   uint32_t mx = 0;  // max |x| so far, as bits
   int32_t top = 0;
   int64_t stale = 0;  // elements before this were coded with an older top
-  for (int64_t s = 0; s < n; s += kChunk) {
-    const int64_t e = std::min(n, s + kChunk);
+  for (int64_t s = 0; s < n; s += kNaturalChunk) {
+    const int64_t e = std::min(n, s + kNaturalChunk);
     const uint32_t m = natural_max_bits_f32_avx2(x + s, e - s);
     if (m >= 0x7f800000u) {
       std::fill(codes, codes + n, uint8_t(0));
