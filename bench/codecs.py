@@ -5,6 +5,7 @@ in the same run on the same gradient.
     python bench/codecs.py --quick         # 10 MB, median of 3
     python bench/codecs.py --mb 10 --runs 3
     python bench/codecs.py --device cuda   # the CUDA kernels (needs a GPU and the CUDA build)
+    python bench/codecs.py --codecs natural,minmax8   # only these rows
 
 Results go to docs/benchmarks/codecs.{json,csv,png}, codecs_cuda.* for --device cuda (--out to
 change the folder).
@@ -222,7 +223,17 @@ def main():
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--out", default=results.DEFAULT_OUT, help="folder for json/csv/png")
+    ap.add_argument("--codecs", default=None,
+                    help="comma-separated row names to run (default: all): "
+                    + ",".join(name for name, _ in ROWS))
     args = ap.parse_args()
+    rows_run = ROWS
+    if args.codecs:
+        wanted = args.codecs.split(",")
+        unknown = sorted(set(wanted) - {name for name, _ in ROWS})
+        if unknown:
+            ap.error(f"unknown codec(s) {','.join(unknown)}; choose from {','.join(n for n, _ in ROWS)}")
+        rows_run = [(name, spec) for name, spec in ROWS if name in wanted]
     global DEVICE
     DEVICE = torch.device(args.device)
     if DEVICE.type == "cuda" and not (torch.cuda.is_available() and _C.built_with_cuda()):
@@ -253,7 +264,7 @@ def main():
     print(header)
     print("|" + "|".join("-" * (len(c)) for c in header.split("|")[1:-1]) + "|")
     rows = []
-    for name, spec in ROWS:
+    for name, spec in rows_run:
         c_ours, d_ours, wire = ours(spec, x)
         c_torch, d_torch = torch_ops(name, x, k)
         r = {"codec": spec, "wire_bytes": wire,

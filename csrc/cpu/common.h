@@ -44,15 +44,21 @@ __attribute__((target("avx2"))) inline __m256i uniform_keys8(uint64_t seed, int6
                           _mm256_set1_epi32(static_cast<int32_t>(seed)));
 }
 
-// uniform() of the 16 elements whose hash keys are `key`: first 8 in *lo, next 8 in *hi.
-__attribute__((target("avx2"))) inline void uniform16(uint64_t seed, __m256i key, __m256* lo,
-                                                      __m256* hi) {
+// The hashes of keys `key`: low 16 bits are uniform() * 2^16 of the first 8 of their 16
+// elements, high 16 bits of the next 8.
+__attribute__((target("avx2"))) inline __m256i uniform_hash8(uint64_t seed, __m256i key) {
   __m256i h = _mm256_xor_si256(key, _mm256_set1_epi32(static_cast<int32_t>(seed >> 32)));
   h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
   h = _mm256_mullo_epi32(h, _mm256_set1_epi32(0x85ebca6bu));
   h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 13));
   h = _mm256_mullo_epi32(h, _mm256_set1_epi32(0xc2b2ae35u));
-  h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
+  return _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
+}
+
+// uniform() of the 16 elements whose hash keys are `key`: first 8 in *lo, next 8 in *hi.
+__attribute__((target("avx2"))) inline void uniform16(uint64_t seed, __m256i key, __m256* lo,
+                                                      __m256* hi) {
+  const __m256i h = uniform_hash8(seed, key);
   const __m256 unit = _mm256_set1_ps(1.0f / 65536.0f);
   *lo = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(h, _mm256_set1_epi32(0xffff))), unit);
   *hi = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(h, 16)), unit);

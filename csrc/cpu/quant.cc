@@ -187,6 +187,156 @@ __attribute__((target("avx2"))) int64_t dither_linear_f32_avx2(const float* x, i
   return i;
 }
 
+// Elements per chunk of the float32 natural encoder (see natural_encode_f32): its input stays
+// in L1 between the max and the coding pass.
+constexpr int64_t kNaturalChunk = 4096;
+
+// natural, float32 input: max|x| as the largest magnitude bit pattern. For non-negative floats
+// integer order is value order, and NaN and Inf patterns lie above every finite one, so one
+// integer max gives both the maximum and whether everything is finite.
+__attribute__((target("avx2"))) uint32_t natural_max_bits_f32_avx2(const float* x, int64_t n) {
+  const __m256i absmask = _mm256_set1_epi32(0x7fffffff);
+  __m256i m[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),
+                  _mm256_setzero_si256()};
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    prefetch_ahead(x + i);
+    prefetch_ahead(x + i + 16);
+    for (int u = 0; u < 4; ++u) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i + 8 * u));
+      m[u] = _mm256_max_epi32(m[u], _mm256_and_si256(v, absmask));
+    }
+  }
+  alignas(32) uint32_t mm[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(mm),
+                     _mm256_max_epi32(_mm256_max_epi32(m[0], m[1]), _mm256_max_epi32(m[2], m[3])));
+  uint32_t mx = 0;
+  for (int u = 0; u < 8; ++u) mx = std::max(mx, mm[u]);
+  for (; i < n; ++i) mx = std::max(mx, f32_bits(x[i]) & 0x7fffffffu);
+  return mx;
+}
+
+// natural_code() for finite float32 x with max|x| > 0, 32 codes per step. On a normal float
+// the double arithmetic of natural_code() is exact in its bits: frexp's exponent is the biased
+// exponent E - 126 and 2m - 1 is the mantissa field M / 2^23, so c = E - top + (u < 2m - 1),
+// and with u = k / 2^16 from the hash, u < 2m - 1 is k * 128 < M. Zeros code as 0 (whatever
+// their sign). A group of 8 holding any other value below the lowest binade (rounded between 0
+// and the lowest level, or a float subnormal) is redone by natural_code(): gradients hold
+// hardly any. Codes elements [i0, i1); i0 is a multiple of 32.
+__attribute__((target("avx2"))) void natural_codes_f32_avx2(const float* x, int64_t i0, int64_t i1,
+                                                           uint64_t seed, int32_t top,
+                                                           uint8_t* codes) {
+  const int32_t lowest = top - 126;  // above -1022 for any float32 maximum
+  const double lowest_v = std::ldexp(1.0, lowest);
+  // Bits of lowest_v when it is a normal float; else of the smallest normal float.
+  const __m256i binade_from = _mm256_set1_epi32(lowest >= -126 ? (lowest + 127) << 23 : 0x00800000);
+  const __m256i absmask = _mm256_set1_epi32(0x7fffffff), mant = _mm256_set1_epi32(0x7fffff);
+  const __m256i kmask = _mm256_set1_epi32(0xffff << 7), vtop = _mm256_set1_epi32(top);
+  const __m256i signbit = _mm256_set1_epi32(0x80), zero = _mm256_setzero_si256();
+  const __m256i step8 = _mm256_set1_epi32(static_cast<int32_t>(8u * 0x9e3779b1u));
+  __m256i key = uniform_keys8(seed, (i0 >> 4) << 3);
+  int64_t i = i0;
+  for (; i + 32 <= i1; i += 32) {
+    // The next chunk, so that memory keeps streaming while this one is coded.
+    __builtin_prefetch(x + i + kNaturalChunk, 0, 3);
+    __builtin_prefetch(x + i + kNaturalChunk + 16, 0, 3);
+    __m256i k7[4];  // k * 128 of each element's u = k / 2^16
+    for (int h = 0; h < 2; ++h) {
+      const __m256i w = uniform_hash8(seed, key);
+      key = _mm256_add_epi32(key, step8);
+      k7[2 * h] = _mm256_and_si256(_mm256_slli_epi32(w, 7), kmask);
+      k7[2 * h + 1] = _mm256_and_si256(_mm256_srli_epi32(w, 9), kmask);
+    }
+    __m256i c[4], low[4];
+    for (int u = 0; u < 4; ++u) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i + 8 * u));
+      const __m256i a = _mm256_and_si256(v, absmask);
+      const __m256i up = _mm256_cmpgt_epi32(_mm256_and_si256(a, mant), k7[u]);
+      const __m256i binade = _mm256_sub_epi32(_mm256_sub_epi32(_mm256_srli_epi32(a, 23), vtop), up);
+      const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(v, 24), signbit);
+      const __m256i is_zero = _mm256_cmpeq_epi32(a, zero);
+      c[u] = _mm256_andnot_si256(is_zero, _mm256_or_si256(binade, sign));
+      low[u] = _mm256_andnot_si256(is_zero, _mm256_cmpgt_epi32(binade_from, a));
+    }
+    __m256i w = _mm256_packus_epi16(_mm256_packus_epi32(c[0], c[1]), _mm256_packus_epi32(c[2], c[3]));
+    w = _mm256_permutevar8x32_epi32(w, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + i), w);
+    const __m256i any_low =
+        _mm256_or_si256(_mm256_or_si256(low[0], low[1]), _mm256_or_si256(low[2], low[3]));
+    if (!_mm256_testz_si256(any_low, any_low)) {
+      for (int u = 0; u < 4; ++u) {
+        if (_mm256_testz_si256(low[u], low[u])) continue;
+        for (int64_t j = i + 8 * u; j < i + 8 * u + 8; ++j)
+          codes[j] = natural_code(x[j], uniform(seed, j), top, lowest, lowest_v);
+      }
+    }
+  }
+  for (; i < i1; ++i) codes[i] = natural_code(x[i], uniform(seed, i), top, lowest, lowest_v);
+}
+
+// natural codes of float32 x in about one pass: each chunk (cache-resident) takes its max, then
+// is coded with the top of the max so far. Chunks coded before the last change of top are coded
+// again once it is final; a gradient usually reaches its top binade within its first chunks,
+// and at worst x is read twice, as with a separate max pass. Returns top (see natural_encode).
+int32_t natural_encode_f32(const float* x, int64_t n, uint64_t seed, uint8_t* codes) {
+  uint32_t mx = 0;  // max |x| so far, as bits
+  int32_t top = 0;
+  int64_t stale = 0;  // elements before this were coded with an older top
+  for (int64_t s = 0; s < n; s += kNaturalChunk) {
+    const int64_t e = std::min(n, s + kNaturalChunk);
+    const uint32_t m = natural_max_bits_f32_avx2(x + s, e - s);
+    if (m >= 0x7f800000u) {
+      std::fill(codes, codes + n, uint8_t(0));
+      return std::numeric_limits<int32_t>::min();
+    }
+    if (m > mx) {
+      mx = m;
+      const int32_t t = std::ilogb(static_cast<double>(bits_f32(mx))) + 1;
+      if (t != top) stale = s;
+      top = t;
+    }
+    if (mx == 0) std::fill(codes + s, codes + e, uint8_t(0));  // zeros code as 0 for any top
+    else natural_codes_f32_avx2(x, s, e, seed, top, codes);
+  }
+  if (stale > 0) natural_codes_f32_avx2(x, 0, stale, seed, top, codes);
+  return top;
+}
+
+// out (+)= sum over ranks of alpha * lv_r[code], rank 0 first, per element as the scalar loop
+// does; lv is each rank's 256-entry decode table.
+__attribute__((target("avx2"))) void natural_aggregate_f32_avx2(const uint8_t* base, int64_t ranks,
+                                                                int64_t stride, int64_t n,
+                                                                const float* lv, float al, bool acc,
+                                                                float* out) {
+  const bool stream = !acc && stream_to(out, 4 * n);
+  const __m256 va = _mm256_set1_ps(al);
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    __m256 s[4];
+    for (int u = 0; u < 4; ++u) s[u] = acc ? _mm256_loadu_ps(out + i + 8 * u) : _mm256_setzero_ps();
+    for (int64_t r = 0; r < ranks; ++r) {
+      const uint8_t* codes = base + r * stride + kNaturalHeader + i;
+      prefetch_ahead(codes);
+      for (int u = 0; u < 4; ++u) {
+        const __m256i c =
+            _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 8 * u)));
+        s[u] = _mm256_add_ps(s[u], _mm256_mul_ps(va, _mm256_i32gather_ps(lv + 256 * r, c, 4)));
+      }
+    }
+    for (int u = 0; u < 4; ++u) {
+      if (stream) _mm256_stream_ps(out + i + 8 * u, s[u]);
+      else _mm256_storeu_ps(out + i + 8 * u, s[u]);
+    }
+  }
+  if (stream) _mm_sfence();
+  for (; i < n; ++i) {
+    float s = acc ? out[i] : 0.0f;
+    for (int64_t r = 0; r < ranks; ++r)
+      s += al * lv[256 * r + base[r * stride + kNaturalHeader + i]];
+    out[i] = s;
+  }
+}
+
 }  // namespace
 
 int64_t dither_payload_bytes(int64_t n, int64_t s) { return kDitherHeader + code_bytes(n, bits_for(s)); }
@@ -304,6 +454,13 @@ void natural_encode(DType d, const void* x, int64_t n, const Params& p, void* pa
   dispatch_dtype(d, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     const T* xs = static_cast<const T*>(x);
+    if constexpr (std::is_same_v<T, float>) {
+      if (cpu_has_avx2_f16c()) {
+        const int32_t top = natural_encode_f32(xs, n, p.seed, codes);
+        std::memcpy(out + 4, &top, 4);
+        return;
+      }
+    }
     double mx = 0.0;
     bool finite = true;
     for (int64_t i = 0; i < n; ++i) {
@@ -336,22 +493,28 @@ void natural_aggregate(DType d, const void* payloads, int64_t ranks, int64_t str
     using A = typename Acc<T>::type;
     T* o = static_cast<T*>(out);
     const A al = static_cast<A>(alpha);
-    std::vector<A> sum(static_cast<size_t>(n));
-    for (int64_t j = 0; j < n; ++j) sum[j] = acc ? to_acc(o[j]) : A(0);
-    A lv[256];
+    // Decoded value of every code, per rank, made once up front.
+    std::vector<A> lv(static_cast<size_t>(256 * ranks));
     for (int64_t r = 0; r < ranks; ++r) {
-      const uint8_t* h = base + r * stride;
       int32_t top;
-      std::memcpy(&top, h + 4, 4);
+      std::memcpy(&top, base + r * stride + 4, 4);
       for (int c = 0; c < 256; ++c) {
         const int mag = c & 0x7f;
         A m = top == std::numeric_limits<int32_t>::min()
                   ? std::numeric_limits<A>::quiet_NaN()
                   : mag == 0 ? A(0) : static_cast<A>(std::ldexp(1.0, top - 127 + mag));
-        lv[c] = c & 0x80 ? -m : m;
+        lv[256 * r + c] = c & 0x80 ? -m : m;
       }
-      const uint8_t* codes = h + kNaturalHeader;
-      for (int64_t j = 0; j < n; ++j) sum[j] += al * lv[codes[j]];
+    }
+    if constexpr (std::is_same_v<T, float>) {
+      if (cpu_has_avx2_f16c())
+        return natural_aggregate_f32_avx2(base, ranks, stride, n, lv.data(), al, acc, o);
+    }
+    std::vector<A> sum(static_cast<size_t>(n));
+    for (int64_t j = 0; j < n; ++j) sum[j] = acc ? to_acc(o[j]) : A(0);
+    for (int64_t r = 0; r < ranks; ++r) {
+      const uint8_t* codes = base + r * stride + kNaturalHeader;
+      for (int64_t j = 0; j < n; ++j) sum[j] += al * lv[256 * r + codes[j]];
     }
     for (int64_t j = 0; j < n; ++j) o[j] = from_acc<T>(sum[j]);
   });

@@ -187,3 +187,127 @@ def test_ranks_with_other_settings_are_refused():
     gathered = torch.stack([encode(cid, x, p).view(torch.uint8), theirs.view(torch.uint8)])
     with pytest.raises(ValueError, match="payload from rank 1 has s=5 .* this rank s=4"):
         _C.aggregate(cid, gathered, torch.empty(100), p, 0.5)
+
+
+# ---- natural: special values in every position, for the float32 SIMD path -------------------
+# Run in-process against the reference (so once per path under HVDC_FORCE_SCALAR=0/1) and in
+# two subprocesses against each other.
+NATURAL_LENGTHS = list(range(1, 41)) + [100, 1000, 4097, 12291, 40001]
+NATURAL_CASES = ["small", "unit", "large", "huge", "subnormal", "rising"]
+
+
+def natural_input(n: int, case: str, seed: int) -> np.ndarray:
+    """float32 values whose maximum sets top by `case` (small: lowest binade below the normal
+    floats; huge: max float, so lowest = 2; rising: top grows along x, so early chunks are
+    coded with a stale top), salted everywhere but at the maximum with zeros of both signs,
+    values just below and at the lowest binade, float subnormals and mixed signs."""
+    rng = np.random.default_rng(seed)
+    if case == "subnormal":
+        bits = rng.integers(0, 1 << 23, n).astype(np.uint32) | (rng.integers(0, 2, n).astype(np.uint32) << 31)
+        return bits.view(np.float32)
+    if case == "rising":
+        x = rng.standard_normal(n) * np.exp2(np.arange(n) // 3000 * 3.0)
+    else:
+        scale = {"small": 2.0 ** -100, "unit": 1.0, "large": 2.0 ** 60, "huge": 2.0 ** 120}[case]
+        x = rng.standard_normal(n) * scale
+    x = x.astype(np.float32)
+    keep = int(np.argmax(np.abs(x)))
+    if case == "huge":
+        x[keep] = np.float32(3.4e38)
+    lowest = int(np.frexp(np.abs(x).max().astype(np.float64))[1]) - 126
+    specials = np.array([0.0, -0.0, 2.0 ** lowest, -(2.0 ** lowest), 0.75 * 2.0 ** lowest,
+                         -0.3 * 2.0 ** lowest, 0.999 * 2.0 ** lowest, 1e-3 * 2.0 ** lowest,
+                         1e-40, -1e-45, 1.17e-38, -3.0, 2.0 ** -126]).astype(np.float32)
+    salt = rng.random(n) < 0.3
+    salt[keep] = False
+    x[salt] = rng.choice(specials, int(salt.sum()))
+    return x
+
+
+def natural_roundtrip(x: np.ndarray, seed: int):
+    """Payload, decode with alpha -0.5, and accumulate with alpha 0.25 into a fixed base."""
+    n = x.size
+    cid = ref.CODEC_ID["natural"]
+    p = params(seed=seed)
+    t = torch.from_numpy(x.copy())
+    payload = encode(cid, t, p)
+    out = torch.empty_like(t)
+    _C.decode(cid, payload, out, p, -0.5, False)
+    base = random_grad(n, "float32", seed=n + 3)
+    acc = base.clone()
+    _C.decode(cid, payload, acc, p, 0.25, True)
+    return payload_bytes(payload), t2n(out), t2n(acc), t2n(base)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast")  # 2^128 decodes to inf
+@pytest.mark.parametrize("case", NATURAL_CASES)
+@pytest.mark.parametrize("n", NATURAL_LENGTHS)
+def test_natural_special_values_match_reference(n, case):
+    x = natural_input(n, case, seed=n)
+    payload, out, acc, base = natural_roundtrip(x, seed=77 + n)
+    want = ref.encode("natural", x, "float32", seed=77 + n)
+    assert payload == want
+    assert same_bits(out, ref.decode("natural", want, n, "float32", -0.5))
+    assert same_bits(acc, ref.decode("natural", want, n, "float32", 0.25, out=base))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 17, 33, 40, 4097, 12291])
+def test_natural_non_finite_anywhere(n, bad):
+    for pos in sorted({0, n // 2, n - 1, min(n - 1, 4096), min(n - 1, 8200)}):
+        x = natural_input(n, "unit", seed=n)
+        x[pos] = bad
+        payload, out, acc, _ = natural_roundtrip(x, seed=5)
+        assert payload == ref.encode("natural", x, "float32", seed=5)
+        assert struct.unpack("<i", payload[4:8])[0] == ref.INT32_MIN
+        assert np.isnan(out).all() and np.isnan(acc).all()
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast")
+@pytest.mark.parametrize("n", [1, 13, 40, 4097, 40001])
+def test_natural_aggregate_special_values(n):
+    cid = ref.CODEC_ID["natural"]
+    payloads = [encode(cid, torch.from_numpy(natural_input(n, case, seed=r)), params(seed=r))
+                for r, case in enumerate(["unit", "large", "small", "huge", "rising"])]
+    gathered = torch.stack([pl.view(torch.uint8).reshape(-1) for pl in payloads])
+    out = torch.empty(n)
+    _C.aggregate(cid, gathered, out, params(), -0.3)
+    want = ref.aggregate("natural", [payload_bytes(pl) for pl in payloads], n, "float32", -0.3)
+    assert same_bits(t2n(out), want)
+
+
+def test_natural_simd_and_scalar_paths_agree(tmp_path):
+    """Encode, decode, accumulate and a 4-rank aggregate give the same bytes on the AVX2 and
+    the scalar path (subprocesses, since the path is chosen once per process)."""
+    import os
+    import subprocess
+    import sys
+    here = os.path.dirname(os.path.abspath(__file__))
+    script = tmp_path / "dump.py"
+    script.write_text(
+        "import sys, torch\n"
+        f"sys.path[:0] = [{here!r}, {os.path.dirname(here)!r}]\n"
+        "from helpers import params, payload_bytes\n"
+        "from hvd_compress.torch import _C\n"
+        "from test_quantizers import NATURAL_CASES, NATURAL_LENGTHS, natural_input, natural_roundtrip\n"
+        "out = []\n"
+        "for n in NATURAL_LENGTHS:\n"
+        "    pls = []\n"
+        "    for case in NATURAL_CASES:\n"
+        "        x = natural_input(n, case, seed=n)\n"
+        "        for bad in (None, float('nan'), float('inf')):\n"
+        "            if bad is not None:\n"
+        "                x = x.copy(); x[n // 3] = bad\n"
+        "            pl, d, a, _ = natural_roundtrip(x, seed=n)\n"
+        "            out += [pl, d.tobytes(), a.tobytes()]\n"
+        "        pls.append(torch.frombuffer(bytearray(pl), dtype=torch.uint8))\n"
+        "    agg = torch.empty(n)\n"
+        "    _C.aggregate(10, torch.stack(pls[:4]), agg, params(), 0.7)\n"
+        "    out.append(agg.numpy().tobytes())\n"
+        "sys.stdout.buffer.write(b''.join(out))\n")
+    runs = {}
+    for mode in ("0", "1"):
+        env = dict(os.environ, HVDC_FORCE_SCALAR=mode)
+        runs[mode] = subprocess.run([sys.executable, str(script)], env=env, check=True,
+                                    capture_output=True).stdout
+    assert runs["0"] == runs["1"] and len(runs["0"]) > 0
