@@ -38,7 +38,7 @@ from ..spec import CompressionConfig
 from ..state import StateStore
 from ..stats import CompressionStats
 from . import _C
-from .codec import DTYPE_NAMES, TorchAdapter, TorchCodec
+from .codec import DTYPE_NAMES, TorchAdapter, TorchCodec, all_finite
 from .powersgd import PowerSGDReduction
 from ..compressor import CompressorBase
 from .compression import Compression
@@ -162,7 +162,7 @@ class _CompressedReduction:
             self._hvdc_write_step()
 
     def _hvdc_finite(self) -> bool:
-        flags = [torch.isfinite(g._values() if g.is_sparse else g).all()
+        flags = [all_finite(g._values() if g.is_sparse else g)
                  for g in (p.grad for p in self._requires_update) if g is not None]
         return not flags or bool(torch.stack(flags).all())
 
