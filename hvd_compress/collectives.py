@@ -45,7 +45,10 @@ two-level (`hierarchical=true`, for nodes of several ranks; Horovod's hierarchic
     2. shard l travels between nodes by the codec's own strategy (any of the above, chosen by
        cost for the node count) among the ranks of local rank l (cross process set), with its
        error feedback and momentum state kept per shard;
-    3. the node allgathers the reduced shards (local process set).
+    3. the node allgathers the reduced shards (local process set): as the encoded bytes that
+       step 2 left on every rank of the cross set (the allgather's payloads, the compressed
+       allreduce's owner chunks), each rank decoding every shard, where those are fewer bytes
+       than the decoded shards; otherwise the decoded shards (in float16 under fp16).
     Only step 2 crosses nodes: the codec's bytes per rank fall by the node's rank count.
 """
 from __future__ import annotations
@@ -387,7 +390,18 @@ def run_allgather(job: Job, ops: Ops) -> Plan:
     if info.variable_size:  # the size formula gave the capacity; this is what is sent
         job.wire_bytes = (job.world - 1) * job.payload_bytes
     gathered = yield Allgather(payload, job.opname, rows=not info.variable_size)
-    return ops.finish(job, [ops.reduce_into(job, gathered, part, info, job.world, alpha)])
+    _keep(job, gathered)
+    return ops.finish(job, _reduce_gathered(job, ops, gathered))
+
+
+def _reduce_gathered(job: Job, ops: Ops, gathered: Any) -> list:
+    """Every rank's payload of the whole gradient, decoded and summed."""
+    _, alpha = job.info.average_factors(job.average, job.world)
+    return [ops.reduce_into(job, gathered, whole(job), job.info, job.world, alpha)]
+
+
+def _gathered_bytes(job: Job) -> int:
+    return job.world * job.info.payload_bytes(job.itemsize, job.n, whole(job).field_dict)
 
 
 def run_compressed_allreduce(job: Job, ops: Ops) -> Plan:
@@ -412,14 +426,26 @@ def run_compressed_allreduce(job: Job, ops: Ops) -> Plan:
     owners = chunks(job, owner_key=True)
     again = ops.encode_part(job, summed, owners[r], owner_codec, "owner")
     gathered = yield Allgather(again, job.opname + ".gather")
+    _keep(job, gathered)
     # 5. every chunk decoded into the gradient
+    return ops.finish(job, _decode_owners(job, ops, gathered))
+
+
+def _decode_owners(job: Job, ops: Ops, gathered: Any) -> list:
+    """The owners' encoded chunks, decoded."""
+    owner_codec, owners = server_info(job.info), chunks(job, owner_key=True)
     if owner_codec.variable_size:
         sizes = ops.walk(job, gathered, owners, owner_codec)
     else:
         sizes = [owner_codec.payload_bytes(job.itemsize, p.n, p.field_dict) for p in owners]
-    pieces = ops.split(gathered, sizes)
-    return ops.finish(job, [ops.decode_part(job, pl, p, owner_codec, 1.0)
-                            for pl, p in zip(pieces, owners)])
+    return [ops.decode_part(job, pl, p, owner_codec, 1.0)
+            for pl, p in zip(ops.split(gathered, sizes), owners)]
+
+
+def _owner_bytes(job: Job) -> int:
+    owner_codec = server_info(job.info)
+    return sum(owner_codec.payload_bytes(job.itemsize, p.n, p.field_dict)
+               for p in chunks(job, owner_key=True))
 
 
 def run_homomorphic(job: Job, ops: Ops) -> Plan:
@@ -486,9 +512,10 @@ def check_node_sets_possible(global_set: bool) -> None:
             "it on; mpirun -x HOROVOD_DYNAMIC_PROCESS_SETS=1)")
 
 
-def _inner(job: Job, shard: Any) -> Job:
-    """The cross-node job of this rank's shard under the two-level strategy."""
-    local_rank, local_size, cross_rank, cross_size = job.nodes
+def _inner(job: Job, shard: Any, local_rank: int | None = None) -> Job:
+    """The cross-node job of a shard under the two-level strategy (this rank's by default)."""
+    mine, local_size, cross_rank, cross_size = job.nodes
+    local_rank = mine if local_rank is None else local_rank
     bounds = chunk_bounds(job.n, local_size)
     inner = Job(name=f"{job.name}/shard{local_rank}", n=bounds[local_rank + 1] - bounds[local_rank],
                 itemsize=job.itemsize, config=replace(job.config, hierarchical=False),
@@ -510,6 +537,33 @@ def _in_group(gen: Plan, group: str) -> Plan:
         return done.value
 
 
+def _keep(job: Job, gathered: Any) -> None:
+    """Hold a plan's last collective's result for the two-level strategy's node to share."""
+    if "blob" in job.extra:
+        job.extra["blob"] = gathered
+
+
+# Strategies whose last collective leaves every rank the same encoded bytes of the whole
+# result: (their size, from the registry's formulas; their decoder).
+_SHAREABLE = {ALLGATHER: (_gathered_bytes, _reduce_gathered),
+              COMPRESSED_ALLREDUCE: (_owner_bytes, _decode_owners)}
+
+
+def node_share(job: Job) -> list[Job] | None:
+    """Every shard's cross-node job when the node shares the encoded results of step 2 rather
+    than the decoded shards (fewer bytes in step 3 for every shard together), else None.
+    Every rank of a node computes the same answer from sizes alone."""
+    _, local_size, _, cross_size = job.nodes
+    if cross_size == 1:
+        return None
+    jobs = [_inner(job, None, j) for j in range(local_size)]
+    if any(j.strategy not in _SHAREABLE or j.info.variable_size for j in jobs):
+        return None
+    width = 2 if job.config.node_fp16 and job.itemsize == 4 else job.itemsize
+    encoded = sum(_SHAREABLE[j.strategy][0](j) for j in jobs)
+    return jobs if encoded < job.n * width else None
+
+
 def run_two_level(job: Job, ops: Ops) -> Plan:
     local_rank, local_size, _, cross_size = job.nodes
     bounds = chunk_bounds(job.n, local_size)
@@ -517,6 +571,7 @@ def run_two_level(job: Job, ops: Ops) -> Plan:
     # hierarchical=fp16: float32 gradients cross the node in float16 (summed in float32), half
     # the bytes of the legs that only the codec's inter-node leg compresses otherwise.
     half = job.config.node_fp16 and job.itemsize == 4
+    shares = node_share(job)
     if half:
         x = ops.to_half(x)
     # 1. shard j of every rank's gradient to local rank j, summed (averaged over the node)
@@ -529,9 +584,23 @@ def run_two_level(job: Job, ops: Ops) -> Plan:
     # 2. the shard between nodes, by the codec's own strategy
     if cross_size > 1:
         inner = _inner(job, shard)
+        if shares:
+            inner.extra["blob"] = None
         shard = yield from _in_group(plan(inner, ops), CROSS)
         job.payload_bytes = inner.payload_bytes
-    # 3. every shard to every rank of the node
+    # 3. every shard to every rank of the node: encoded, decoded by each rank as its owner did
+    if shares:
+        gathered = yield Allgather(ops.as_bytes(inner.extra["blob"]),
+                                   job.opname + ".node_gather", group=LOCAL)
+        blobs = ops.split(gathered, [_SHAREABLE[j.strategy][0](j) for j in shares])
+        pieces = []
+        for j, (other, blob) in enumerate(zip(shares, blobs)):
+            if j == local_rank:
+                pieces.append(shard)
+                continue
+            other.extra.update(grad=shard, prescale=inner.extra.get("prescale", 1.0))
+            pieces += _SHAREABLE[other.strategy][1](other, ops, blob)
+        return ops.finish(job, pieces)
     gathered = yield Allgather(ops.as_bytes(ops.to_half(shard) if half else shard),
                                job.opname + ".node_gather", group=LOCAL)
     width = 2 if half else job.itemsize

@@ -158,12 +158,17 @@ class TwoLevelSimulation:
     """hierarchical=true over nodes of per_node ranks (rank = node * per_node + local rank):
     each node's shards summed in rank order and averaged over the node, each shard through the
     codec's strategy between the nodes with its own residuals, the shards put back together.
-    hierarchical=fp16: float32 gradients and the shards they come back as cross the node as
-    float16 (rounded to nearest even), the sum still in float32."""
+    hierarchical=fp16: float32 gradients cross the node as float16 (rounded to nearest even),
+    the sum still in float32, and so do the shards they come back as, unless the node shares
+    the shards encoded (collectives.node_share): then every rank decodes them as their owner."""
 
     def __init__(self, spec, n, nodes, per_node, dtype="float32"):
         self.n, self.dtype, self.nodes, self.per_node = n, dtype, nodes, per_node
         self.half = "hierarchical=fp16" in spec and dtype == "float32"
+        job = col.Job(name="w", n=n, itemsize=ITEMSIZE[dtype], config=hc.parse_spec(spec),
+                      rank=0, world=nodes * per_node, average=True, opname="w",
+                      nodes=(0, per_node, 0, nodes))
+        self.encoded = col.node_share(job) is not None
         inner = spec.replace(",hierarchical=true", "").replace(",hierarchical=fp16", "")
         self.bounds = col.chunk_bounds(n, per_node)
         self.inner = [Simulation(inner, self.bounds[j + 1] - self.bounds[j], dtype, nodes,
@@ -185,7 +190,7 @@ class TwoLevelSimulation:
                 for row in rows[1:]:
                     acc = acc + ref.to_acc(row, self.dtype)
                 shards.append(ref.from_acc(acc * A(1.0 / self.per_node), self.dtype))
-            out.append(self._leg(sim(shards)))
+            out.append(sim(shards) if self.encoded else self._leg(sim(shards)))
         return np.concatenate(out)
 
 
