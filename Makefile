@@ -28,8 +28,8 @@ test: $(STAMP) test-parallel test-ranks test-unit test-launcher test-bench
 # torch and TensorFlow suites run as separate jobs: Horovod's torch and TF libraries each keep
 # their own global state and must not be loaded side by side in one process.
 test-parallel: $(STAMP)
-	$(LIMIT) $(HVDRUN) $(PY) $(PYTEST) tests/parallel/test_torch_parallel.py
-	$(LIMIT) $(MPIRUN) $(PY) $(PYTEST) tests/parallel/test_torch_parallel.py
+	$(LIMIT) $(HVDRUN) $(PY) $(PYTEST) tests/parallel/test_torch_parallel.py tests/parallel/test_torch_amp.py
+	$(LIMIT) $(MPIRUN) $(PY) $(PYTEST) tests/parallel/test_torch_parallel.py tests/parallel/test_torch_amp.py
 	$(LIMIT) $(HVDRUN) $(PY) $(PYTEST) tests/parallel/test_tf_parallel.py
 	$(LIMIT) $(MPIRUN) $(PY) $(PYTEST) tests/parallel/test_tf_parallel.py
 

@@ -96,6 +96,7 @@ class CodecInfo:
     rejects: tuple[tuple[str, str], ...] = ()
     variable_size: bool = False
     state_slots: tuple[str, ...] = ()
+    scale_free_slots: tuple[str, ...] = ()  # state not in gradient units (loss scaling)
     min_dim: int = 0
     replaces_momentum: bool = False
     frontends: tuple[str, ...] = ("torch", "tensorflow")
@@ -384,7 +385,7 @@ register(CodecInfo(
     doc="PowerSGD (Vogels et al. 2019): rank-r power iteration, P and Q allreduced in two rounds, "
         "error feedback and warm start; 1-D and weakly compressible tensors go uncompressed",
     bits_per_element=lambda isz: 0.0, builtin_ef=False, uses_seed=True, frontends=("torch",),
-    rounds=2,
+    rounds=2, scale_free_slots=("powersgd_qt",),
     collective_note="two allreduces per step, P then Q",
     rejects=(("ef=vanilla", "PowerSGD keeps its own residual (error_feedback=true, the "
               "default); a second one would add it twice"),)))

@@ -19,6 +19,7 @@ import numpy as np
 
 FORMAT = "hvd_compress.state/1"
 _COUNTER = object()  # the kind under which a transaction keeps a step counter's backup
+_UNITS = ("", object())  # the transaction's key for the loss scale and the waiting slots
 
 
 class _Made:
@@ -43,6 +44,7 @@ class TensorAdapter(Protocol):
     def restore(self, t: Any, saved: Any) -> None: ...
     def backup_counter(self, counter: Any, spare: Any) -> Any: ...
     def restore_counter(self, counter: Any, saved: Any) -> None: ...
+    def scale(self, t: Any, factor: float) -> None: ...   # in place
     # True where steps run as traced graphs: a slot made during a step is a variable the trace
     # keeps using, so a rollback resets its value instead of removing it.
     traced: bool
@@ -62,6 +64,8 @@ class StateStore:
         # backups under (name, _COUNTER). None outside a step.
         self._txn: dict[tuple[str, str], Any] | None = None
         self._spares: dict[tuple[str, str], Any] = {}
+        # The loss scale the gradient-unit state was accumulated at (None: no loss scaling).
+        self._units: float | None = None
 
     @property
     def spec(self) -> str:
@@ -160,6 +164,7 @@ class StateStore:
         txn, self._txn = self._txn, None
         if txn is None:
             return
+        units = txn.pop(_UNITS, None)
         for (name, kind), saved in txn.items():
             if kind is _COUNTER:
                 if isinstance(saved, _Made):
@@ -176,6 +181,37 @@ class StateStore:
             else:
                 self._adapter.restore(self._slots[name][kind], saved)
                 self._spares[name, kind] = saved
+        if units is not None:  # last: the waiting slots as they were before the step, whole
+            self._units, self._pending = units
+
+    # ---- dynamic loss scaling ---------------------------------------------------------------
+    @property
+    def loss_scale(self) -> float | None:
+        return self._units
+
+    def rescale(self, scale: float, scale_free: tuple[str, ...] = ()) -> None:
+        """This step's gradients arrive multiplied by the loss scale `scale`: state kept at
+        another scale (residuals, momenta, velocities, carries: every kind but `scale_free`) is
+        multiplied by the ratio, so a residual saved at 2^16 is not added to a gradient at 2^15
+        as if the units were the same. Part of the open step: a rollback undoes it."""
+        old = self._units
+        if old == scale:
+            return
+        if self._txn is not None and _UNITS not in self._txn:
+            self._txn[_UNITS] = (old, {name: dict(kinds) for name, kinds in self._pending.items()})
+        self._units = scale
+        if old is None:  # the first scaled step: the state so far is taken to be at this scale
+            return
+        factor = scale / old
+        for name, kinds in self._slots.items():
+            for kind, held in kinds.items():
+                if kind not in scale_free:
+                    self._touch(name, kind, held)
+                    self._adapter.scale(held, factor)
+        for kinds in self._pending.values():
+            for kind, arr in kinds.items():
+                if kind not in scale_free:
+                    kinds[kind] = (arr * factor).astype(arr.dtype)
 
     def names(self) -> list[str]:
         return sorted(set(self._slots) | set(self._steps))
@@ -193,7 +229,7 @@ class StateStore:
         steps = dict(self._pending_steps)
         steps.update({name: self._adapter.counter_value(c) for name, c in self._steps.items()})
         return {"format": FORMAT, "spec": self._spec, "steps": steps, "slots": slots,
-                "dtypes": dtypes}
+                "dtypes": dtypes, "loss_scale": self._units}
 
     def load_state_dict(self, state: dict, strict_spec: bool = True) -> None:
         """Replace the state; a step still open is forgotten (its rollback would undo the load)."""
@@ -229,6 +265,7 @@ class StateStore:
                 else:
                     self._pending.setdefault(name, {})[kind] = arr
         self._slots = slots
+        self._units = state.get("loss_scale")
         self._txn = None
         self._spares = {}
         self._pending_steps = {}

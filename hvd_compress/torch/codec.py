@@ -389,3 +389,6 @@ class TorchAdapter:
 
     def restore_counter(self, counter: list, saved: int) -> None:
         counter[0] = saved
+
+    def scale(self, t: torch.Tensor, factor: float) -> None:
+        t.mul_(factor)

@@ -61,8 +61,9 @@ class _CompressedReduction:
 
     def __init__(self, params, named_parameters, config, min_compress_bytes,
                  backward_passes_per_step, op, gradient_predivide_factor, sparse_as_dense,
-                 process_set):
+                 process_set, grad_scaler):
         self._hvdc_config = config
+        self._hvdc_scaler = grad_scaler
         self._hvdc_min_bytes = min_compress_bytes
         self._hvdc_store = StateStore(TorchAdapter(), spec=config.canonical())
         self._hvdc_stats = CompressionStats()
@@ -97,6 +98,10 @@ class _CompressedReduction:
             self._hvdc_abandon()
         if not self._hvdc_store.in_step:
             self._hvdc_store.begin()
+            scaler = self._hvdc_scaler
+            if scaler is not None and scaler.is_enabled():  # the scale these gradients carry
+                self._hvdc_store.rescale(float(scaler.get_scale()),
+                                         self._hvdc_config.info.scale_free_slots)
         if p.grad is None:
             p.grad = p.data.new(p.size()).zero_()
         if not p.grad.is_sparse and not p.grad.is_contiguous():
@@ -305,7 +310,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression="none",
                          backward_passes_per_step=1, op=hvd.Average,
                          gradient_predivide_factor=1.0, num_groups=0, groups=None,
                          sparse_as_dense=False, process_set=hvd.global_process_set,
-                         min_compress_bytes=DEFAULT_MIN_COMPRESS_BYTES):
+                         min_compress_bytes=DEFAULT_MIN_COMPRESS_BYTES, grad_scaler=None):
     """Wrap `optimizer` like `horovod.torch.DistributedOptimizer`, compressing gradients.
 
     compression: a spec string ("topk,k=0.01,ef=vanilla"), a dict with BytePS keys, a
@@ -314,6 +319,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression="none",
     gradient_predivide_factor applies to the uncompressed gradients only; compressed ones are
     scaled by their codec (fp16 divides by the world size before the sum).
     Explicit allreduce groups are not supported: compressed payloads are issued per parameter.
+    grad_scaler: the `torch.amp.GradScaler` whose scaled gradients this optimizer reduces.
+        Compression state in gradient units (residuals, momenta, DGC velocities) is rescaled
+        whenever the loss scale changes, so that it always meets gradients in its own units.
     """
     config = _to_config(compression)
     if op not in (hvd.Average, hvd.Sum):
@@ -323,6 +331,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression="none",
     if num_groups or groups is not None:
         raise ValueError("groups/num_groups are not supported by hvd_compress: each compressed "
                          "gradient is its own collective; leave them unset")
+    if grad_scaler is not None and not all(hasattr(grad_scaler, a)
+                                           for a in ("get_scale", "is_enabled")):
+        raise ValueError(f"grad_scaler must be a torch.amp.GradScaler (get_scale() and "
+                         f"is_enabled()), got {type(grad_scaler).__name__}")
     if backward_passes_per_step <= 0:
         raise ValueError(f"backward_passes_per_step must be > 0, got {backward_passes_per_step}")
     if not isinstance(min_compress_bytes, int) or min_compress_bytes < 0:
@@ -344,4 +356,4 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression="none",
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), namespace)
     return cls(optimizer.param_groups, named_parameters, config, min_compress_bytes,
                backward_passes_per_step, op, gradient_predivide_factor, sparse_as_dense,
-               process_set)
+               process_set, grad_scaler)

@@ -165,6 +165,44 @@ def test_rollback_of_a_first_step_after_a_load_keeps_the_checkpoint_waiting():
     assert s.next_step("w") == 1
 
 
+def test_a_loss_scale_change_rescales_gradient_unit_state_within_the_step():
+    saved = store()
+    saved.slot("b", "ef", torch.ones(2)).fill_(3.0)
+    s = store()
+    s.load_state_dict(saved.state_dict())  # "b" waits in the checkpoint, unscaled
+    s.rescale(4.0)  # the first scale seen: the state is taken to be at it
+    e = s.slot("w", "ef", torch.ones(3)).fill_(8.0)
+    q = s.slot("w", "powersgd_qt", torch.ones(2)).fill_(5.0)
+    s.begin()
+    s.rescale(1.0, scale_free=("powersgd_qt",))
+    assert torch.equal(e, torch.full((3,), 2.0)) and torch.equal(q, torch.full((2,), 5.0))
+    assert s.loss_scale == 1.0
+    s.rollback()  # the skipped step's rescale is undone with it, the waiting slot too
+    assert s.loss_scale == 4.0 and torch.equal(e, torch.full((3,), 8.0))
+    assert torch.equal(s.slot("b", "ef", torch.ones(2)), torch.full((2,), 3.0))
+    s.begin()
+    s.rescale(8.0)
+    s.commit()
+    assert torch.equal(e, torch.full((3,), 16.0)) and torch.equal(q, torch.full((2,), 10.0))
+    back = store()
+    back.load_state_dict(s.state_dict())
+    assert back.loss_scale == 8.0
+
+
+def test_a_rescale_rolled_back_restores_slots_waiting_in_a_checkpoint():
+    saved = store()
+    saved.slot("b", "ef", torch.ones(2)).fill_(3.0)
+    saved.rescale(2.0)
+    s = store()
+    s.load_state_dict(saved.state_dict())
+    s.begin()
+    s.rescale(4.0)
+    assert torch.equal(s.slot("b", "ef", torch.ones(2)), torch.full((2,), 6.0))
+    s.rollback()
+    assert s.loss_scale == 2.0
+    assert torch.equal(s.slot("b", "ef", torch.ones(2)), torch.full((2,), 3.0))
+
+
 def test_stock_randomk_shows_an_element_it_did_not_draw():
     drawn = ref.randomk_strata(1000, 10, hc.derive_seed(0, "[1000]#0", 0))[0]
     x = torch.zeros(1000)
