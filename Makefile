@@ -30,8 +30,8 @@ test: $(STAMP) test-parallel test-ranks test-unit test-launcher test-bench
 test-parallel: $(STAMP)
 	$(LIMIT) $(HVDRUN) $(PY) $(PYTEST) tests/parallel/test_torch_parallel.py tests/parallel/test_torch_amp.py
 	$(LIMIT) $(MPIRUN) $(PY) $(PYTEST) tests/parallel/test_torch_parallel.py tests/parallel/test_torch_amp.py
-	$(LIMIT) $(HVDRUN) $(PY) $(PYTEST) tests/parallel/test_tf_parallel.py
-	$(LIMIT) $(MPIRUN) $(PY) $(PYTEST) tests/parallel/test_tf_parallel.py
+	$(LIMIT) $(HVDRUN) $(PY) $(PYTEST) tests/parallel/test_tf_parallel.py tests/parallel/test_tf_amp.py
+	$(LIMIT) $(MPIRUN) $(PY) $(PYTEST) tests/parallel/test_tf_parallel.py tests/parallel/test_tf_amp.py
 
 # The collective strategies at every rank count they must scale to, under both launchers (4 and
 # 8 ranks oversubscribe the 2-core CI machine: the tensors are small and the steps few).

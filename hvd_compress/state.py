@@ -44,7 +44,7 @@ class TensorAdapter(Protocol):
     def restore(self, t: Any, saved: Any) -> None: ...
     def backup_counter(self, counter: Any, spare: Any) -> Any: ...
     def restore_counter(self, counter: Any, saved: Any) -> None: ...
-    def scale(self, t: Any, factor: float) -> None: ...   # in place
+    def scale(self, t: Any, factor: float) -> None: ...   # in place (StateStore.rescale)
     # True where steps run as traced graphs: a slot made during a step is a variable the trace
     # keeps using, so a rollback resets its value instead of removing it.
     traced: bool
@@ -203,15 +203,23 @@ class StateStore:
         if old is None:  # the first scaled step: the state so far is taken to be at this scale
             return
         factor = scale / old
-        for name, kinds in self._slots.items():
-            for kind, held in kinds.items():
-                if kind not in scale_free:
-                    self._touch(name, kind, held)
-                    self._adapter.scale(held, factor)
+        for held in self.touch_scaled(scale_free):
+            self._adapter.scale(held, factor)
         for kinds in self._pending.values():
             for kind, arr in kinds.items():
                 if kind not in scale_free:
                     kinds[kind] = (arr * factor).astype(arr.dtype)
+
+    def touch_scaled(self, scale_free: tuple[str, ...] = ()) -> list:
+        """Every live slot in gradient units, touched by the open step: what a loss-scale
+        change multiplies (a graph frontend, whose scale is a tensor, multiplies them itself)."""
+        out = []
+        for name, kinds in self._slots.items():
+            for kind, held in kinds.items():
+                if kind not in scale_free:
+                    self._touch(name, kind, held)
+                    out.append(held)
+        return out
 
     def names(self) -> list[str]:
         return sorted(set(self._slots) | set(self._steps))

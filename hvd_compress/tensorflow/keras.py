@@ -49,6 +49,21 @@ def DistributedOptimizer(optimizer, compression: Any = "none", op=hvd.Average,
     return attach(opt, reducer)
 
 
+def LossScaleOptimizer(optimizer, **kwargs):
+    """`tf.keras.mixed_precision.LossScaleOptimizer(optimizer, **kwargs)` around an optimizer
+    from `DistributedOptimizer` above, whose compression state then follows the loss scale:
+    the gradients reach the codec multiplied by it, and state in gradient units (residuals,
+    momenta) is rescaled whenever it changes. The result is Keras' own class."""
+    reducer = getattr(optimizer, "_hvdc_reducer", None)
+    if reducer is None:
+        raise ValueError("LossScaleOptimizer wraps an optimizer made by "
+                         "hvd_compress.tensorflow.keras.DistributedOptimizer; use "
+                         "tf.keras.mixed_precision.LossScaleOptimizer for any other")
+    lso = tf.keras.mixed_precision.LossScaleOptimizer(optimizer, **kwargs)
+    reducer.track_loss_scale(lso)
+    return lso
+
+
 def _reducer_of(model) -> Reducer:
     reducer = getattr(model.optimizer, "_hvdc_reducer", None)
     if reducer is None:

@@ -86,6 +86,11 @@ class Reducer:
         self.enabled = tf.Variable(True, trainable=False, name="hvdc_compression_enabled")
         # A traced step never returns to Python: steps are counted in the graph.
         self.steps = tf.Variable(0, dtype=tf.int64, trainable=False, name="hvdc_steps")
+        # Dynamic loss scaling: where the gradients' scale is read (track_loss_scale), and the
+        # scale the state in gradient units is kept at (0: none seen yet).
+        self._loss_scale = None
+        self.units = tf.Variable(0.0, dtype=tf.float64, trainable=False,
+                                 name="hvdc_loss_scale_units")
         with tf.init_scope():  # the codec clock is read eagerly even when built in a trace
             self._codec_ns = int(lib.hvdc_codec_time().numpy())
         self._writer = None
@@ -111,17 +116,55 @@ class Reducer:
         names = names or [parameter_name(v, i) for i, v in enumerate(variables)]
         self.store.begin()
         try:
+            units = self._rescale()
             reduced = [self._reduce_one(g, name) for g, name in zip(grads, names)]
         except BaseException:
             self.store.rollback()
             raise
-        self._end_step(reduced)
+        self._end_step(reduced, units)
         self.steps.assign_add(1)
         if self._writer is not None:
             self._write_step(reduced, [n for g, n in zip(grads, names) if g is not None])
         return reduced
 
-    def _end_step(self, reduced) -> None:
+    def track_loss_scale(self, source) -> None:
+        """Gradients arrive multiplied by a dynamic loss scale: `source` (a Keras
+        LossScaleOptimizer, a variable, or a callable returning the scale) is read at each
+        step, and state in gradient units is rescaled when the scale has changed."""
+        if hasattr(source, "loss_scale"):
+            self._loss_scale = lambda: source.loss_scale
+        elif callable(source):
+            self._loss_scale = source
+        elif isinstance(source, tf.Variable):
+            self._loss_scale = source.read_value
+        else:
+            raise ValueError(f"track_loss_scale takes a LossScaleOptimizer, a variable or a "
+                             f"callable, got {type(source).__name__}")
+
+    def _rescale(self):
+        """State kept at another loss scale than this step's gradients carry, multiplied by
+        the ratio (the torch frontend's StateStore.rescale, with the scale a tensor). Returns
+        the scale the state was at, for a rollback, or None without loss scaling."""
+        if self._loss_scale is None:
+            return None
+        scale = tf.cast(self._loss_scale(), tf.float64)
+        before = self.units.read_value()
+        factor = tf.where(before > 0, scale / tf.where(before > 0, before, 1.0),
+                          tf.constant(1.0, tf.float64))
+        # touched (backed up) outside the branch, so that a rollback has what it restores
+        slots = self.store.touch_scaled(self.config.info.scale_free_slots)
+
+        def multiply():
+            for t in slots:
+                t.assign(t * tf.cast(factor, t.dtype))
+            return tf.constant(True)
+
+        if slots:
+            tf.cond(tf.not_equal(factor, 1.0), multiply, lambda: tf.constant(False))
+        self.units.assign(scale)
+        return before
+
+    def _end_step(self, reduced, units=None) -> None:
         """The step's state stays unless a reduced gradient is not finite: then every slot and
         counter it touched is put back (all ranks hold the same reduced gradients, so all
         decide alike), as a skipped step must leave no trace. Only compressed steps touch
@@ -135,6 +178,8 @@ class Reducer:
 
         def roll_back():
             store.rollback()
+            if units is not None:
+                self.units.assign(units)
             return tf.constant(False)
 
         tf.cond(tf.logical_or(finite, tf.logical_not(self.enabled)), lambda: tf.constant(True),
@@ -235,10 +280,14 @@ class Reducer:
 
     def state_dict(self) -> dict:
         self.codec.settle()
-        return self.store.state_dict()
+        state = self.store.state_dict()
+        units = float(self.units.numpy())
+        state["loss_scale"] = units if units > 0 else None
+        return state
 
     def load_state_dict(self, state: dict, strict_spec: bool = True) -> None:
         self.store.load_state_dict(state, strict_spec=strict_spec)
+        self.units.assign(state.get("loss_scale") or 0.0)
 
 
 _node_sets: dict[tuple, object] = {}
