@@ -207,3 +207,24 @@ def grads_for_step(n, dtype, step, world):
     return [t2n(random_grad(n, dtype, seed=1000 * step + r)) for r in range(world)]
 
 
+BPPS_SPECS = ["none", "onebit,ef=vanilla", "topk,k=0.05,ef=vanilla"]
+
+
+def bpps_pass_grads(n, step, p, world):
+    return grads_for_step(n, "float32", 100 * step + p, world)
+
+
+def bpps_weights(spec, n, steps, passes, lr, world, name="w"):
+    """Weights of one float32 parameter after `steps` updates of SGD(lr) with
+    backward_passes_per_step=`passes`, from zeros: each rank sums its passes' gradients in pass
+    order, the sum goes through the codec once, the update is w - lr * aggregate (lr a power of
+    two, so that no framework's fused multiply-add can round differently)."""
+    sim = Simulation(spec, n, "float32", world, name=name)
+    w = np.zeros(n, np.float32)
+    for step in range(steps):
+        acc = bpps_pass_grads(n, step, 0, world)
+        for p in range(1, passes):
+            acc = [a + g for a, g in zip(acc, bpps_pass_grads(n, step, p, world))]
+        w = w - np.float32(lr) * sim(acc)
+    return w
+

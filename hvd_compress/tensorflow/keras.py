@@ -34,12 +34,9 @@ def DistributedOptimizer(optimizer, compression: Any = "none", op=hvd.Average,
 
     The result also has `compression_state_dict()`, `load_compression_state_dict(state)` and
     `compression_stats`. Horovod's keyword arguments pass through, except those the compressed
-    reduction cannot honour, which raise: `backward_passes_per_step` > 1 (the accumulation
-    helper would bypass the compressed reduction), device placement, groups and
-    `gradient_predivide_factor`."""
-    if horovod_kwargs.get("backward_passes_per_step", 1) != 1:
-        raise ValueError("backward_passes_per_step > 1 is not supported with compression in "
-                         "Keras; accumulate gradients before calling the optimizer instead")
+    reduction cannot honour, which raise: device placement, groups and
+    `gradient_predivide_factor`. With `backward_passes_per_step` > 1 Horovod's helper sums the
+    gradients of the passes locally and the sum is compressed once per update."""
     pop_horovod_arguments(horovod_kwargs)
     reducer = new_reducer(compression, min_compress_bytes, op, process_set,
                           horovod_kwargs.get("sparse_as_dense", False))

@@ -320,6 +320,12 @@ def attach(opt, reducer: Reducer):
     """Make a Horovod-wrapped optimizer reduce through `reducer`: Horovod's optimizers call
     self._allreduce_grads(grads, vars) for the whole reduction."""
     opt._allreduce_grads = reducer.reduce
+    helper = getattr(opt, "_agg_helper", None)
+    if helper is not None:  # backward_passes_per_step > 1: it holds the function it was given
+        if not hasattr(helper, "allreduce_grads"):
+            raise ValueError("backward_passes_per_step > 1 with compression needs the optimizer "
+                             "built eagerly (TF2 behaviour), not in a TF1 graph")
+        helper.allreduce_grads = reducer.reduce
     opt._hvdc_reducer = reducer
     opt.compression_report = reducer.compression_report
     opt.write_compression_summaries = reducer.write_compression_summaries

@@ -14,7 +14,7 @@ import pytest
 import tensorflow as tf
 
 from helpers import same_bits, tensorboard_scalars, two_rank_marker
-from simulation import Simulation, grads_for_step
+from simulation import BPPS_SPECS, Simulation, bpps_pass_grads, bpps_weights, grads_for_step
 import hvd_compress.tensorflow as hvdt
 import hvd_compress.tensorflow.keras as hvdk
 from hvd_compress.tensorflow import Compression
@@ -238,6 +238,27 @@ def test_tf1_style_optimizer_and_stock_keras_optimizer():
     stock = hvd_keras.DistributedOptimizer(tf.keras.optimizers.SGD(0.05),
                                            compression=Compression.fp16)
     assert stock is not None
+
+
+@pytest.mark.parametrize("spec", BPPS_SPECS)
+def test_keras_backward_passes_per_step_weights_equal_simulation(spec):
+    """Horovod's helper sums 4 passes locally and the sum is compressed once per update: the
+    numpy weights the PyTorch optimizer's test in test_torch_parallel.py also reaches."""
+    n, steps, passes = 3000, 3, 4
+    w = tf.Variable(tf.zeros([n]), name="w")
+    opt = hvdk.DistributedOptimizer(tf.keras.optimizers.SGD(0.5), compression=spec,
+                                    min_compress_bytes=0, backward_passes_per_step=passes)
+
+    @tf.function
+    def backward_pass(g):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(w * g)
+        opt.apply_gradients(opt.compute_gradients(loss, [w], tape=tape))
+
+    for step in range(steps):
+        for k in range(passes):
+            backward_pass(tf.constant(bpps_pass_grads(n, step, k, WORLD)[RANK]))
+    assert same_bits(w.numpy(), bpps_weights(spec, n, steps, passes, 0.5, WORLD))
 
 
 def _two_layer_model(seed):
