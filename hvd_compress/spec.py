@@ -88,6 +88,24 @@ class CompressionConfig:
         return ",".join(items)
 
 
+def momentum_advice(config: CompressionConfig, momentum: float) -> str | None:
+    """The warning for an optimizer that applies momentum after an error-feedback codec, or
+    None. The residual holds what earlier steps did not send; momentum applied to the decoded
+    gradient then amplifies each step's compression error for 1/(1-mu) steps on top of it
+    (measured: onebit,ef=vanilla with SGD momentum 0.9 diverges on digits, 10% accuracy).
+    Moving the momentum before the codec, into the spec, compresses the momentum-corrected
+    gradient instead (DGC's momentum correction)."""
+    feeds_back = config.ef == "vanilla" or config.info.builtin_ef
+    if (not momentum or not feeds_back or config.momentum != "none"
+            or config.info.replaces_momentum):
+        return None
+    fixed = f"{config},momentum=nesterov,mu={_fmt(float(momentum))}"
+    return (f"the optimizer applies momentum ({momentum}) after {config.codec}'s error feedback, "
+            f"which amplifies the compression error and can diverge; move it into the "
+            f"compression spec: compression=\"{fixed}\" (the optimizer's own momentum is then "
+            f"set to 0)")
+
+
 def _fmt(v: Any) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"

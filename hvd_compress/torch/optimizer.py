@@ -34,7 +34,7 @@ import torch
 from horovod.torch.optimizer import _DistributedOptimizer
 
 from .. import collectives, stats
-from ..spec import CompressionConfig
+from ..spec import CompressionConfig, momentum_advice
 from ..state import StateStore
 from ..stats import CompressionStats
 from . import _C
@@ -339,6 +339,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression="none",
         raise ValueError(f"backward_passes_per_step must be > 0, got {backward_passes_per_step}")
     if not isinstance(min_compress_bytes, int) or min_compress_bytes < 0:
         raise ValueError(f"min_compress_bytes must be an integer >= 0, got {min_compress_bytes!r}")
+    for group in optimizer.param_groups[:1]:
+        advice = momentum_advice(config, group.get("momentum", 0))
+        if advice:
+            warnings.warn(advice)
     if config.momentum == "nesterov" or config.info.replaces_momentum:
         what = config.codec if config.info.replaces_momentum else "momentum=nesterov"
         for group in optimizer.param_groups:

@@ -159,6 +159,18 @@ def test_horovod_arguments_we_cannot_honour_raise(argument, message):
         hvdk.DistributedOptimizer(tf.keras.optimizers.SGD(0.1), compression="onebit", **argument)
 
 
+def test_keras_momentum_after_error_feedback_warns_and_spec_momentum_replaces_it():
+    with pytest.warns(UserWarning, match=r"compression=\"onebit,scaling=true,ef=vanilla,"
+                                         r"momentum=nesterov,mu=0.9\""):
+        opt = hvdk.DistributedOptimizer(tf.keras.optimizers.SGD(0.1, momentum=0.9),
+                                        compression="onebit,ef=vanilla")
+    assert opt.momentum == 0.9
+    with pytest.warns(UserWarning, match="replaces the optimizer's own momentum"):
+        opt = hvdk.DistributedOptimizer(tf.keras.optimizers.SGD(0.1, momentum=0.9),
+                                        compression="onebit,ef=vanilla,momentum=nesterov")
+    assert opt.momentum == 0.0
+
+
 def test_tape_sparse_as_dense_compresses_embedding_gradients():
     table = tf.Variable(tf.reshape(tf.range(40000, dtype=tf.float32), [10000, 4]) * 0 + 1.0,
                         name="sparse_table")

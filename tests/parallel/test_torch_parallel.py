@@ -316,6 +316,24 @@ def test_ranks_with_different_specs_get_an_error():
         single_param_optimizer(spec, 100)
 
 
+@pytest.mark.parametrize("spec", ["onebit,ef=vanilla", "topk,k=0.01,ef=vanilla", "efsignsgd"])
+def test_optimizer_momentum_after_error_feedback_warns_with_the_fix(spec):
+    model = make_model()
+    with pytest.warns(UserWarning, match=r"move it into the compression spec: compression=\".*"
+                                         r"momentum=nesterov,mu=0.9\""):
+        hvdc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                  named_parameters=model.named_parameters(), compression=spec)
+
+
+@pytest.mark.parametrize("spec", ["onebit", "topk,k=0.01", "dgc,k=0.01", "powersgd",
+                                  "onebit,ef=vanilla,momentum=nesterov,mu=0.9"])
+def test_no_momentum_warning_without_error_feedback_or_with_the_fix(spec, recwarn):
+    model = make_model()
+    hvdc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                              named_parameters=model.named_parameters(), compression=spec)
+    assert not [w for w in recwarn if "after" in str(w.message)]
+
+
 def test_mismatched_codec_payloads_are_refused():
     """Same payload size, different codec: the tag check refuses instead of decoding garbage."""
     from hvd_compress.torch.codec import TorchCodec
