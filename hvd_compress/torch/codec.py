@@ -284,6 +284,12 @@ class TorchCodec:
         kp = self._part_params(job, part, info)
         if info.variable_size:
             _C.aggregate_concat(info.kernel_id, payload, 1, out, kp, alpha)
+        elif payload.dtype == torch.float32 and out.dtype == torch.bfloat16:
+            # A bfloat16 payload reduced as float32 (PendingPlan): decoded in float32 and
+            # rounded once, so the result is the float32 computation's, rounded.
+            wide = torch.empty(out.shape, dtype=torch.float32, device=out.device)
+            _C.decode(info.kernel_id, payload, wide, kp, alpha, False)
+            out.copy_(wide)
         else:
             _C.decode(info.kernel_id, payload, out, kp, alpha, False)
         return out
