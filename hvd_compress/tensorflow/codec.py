@@ -260,9 +260,14 @@ class TFCodec:
     reduce_into = reduce  # TF ops allocate their outputs
 
     def decode_part(self, job: Job, payload, part: Part, info: CodecInfo, alpha: float):
-        return lib.hvdc_decode(payload, job.step, self._scalar(job, alpha),
-                               T=job.extra["grad"].dtype, n=part.n,
-                               **self._part_attrs(part, info))
+        dtype = job.extra["grad"].dtype
+        # A bfloat16 payload reduced as float32 (the reducer's _perform) is decoded in float32
+        # and rounded once, so the result is the float32 computation's, rounded.
+        wide = payload.dtype == tf.float32 and dtype == tf.bfloat16
+        out = lib.hvdc_decode(payload, job.step, self._scalar(job, alpha),
+                              T=tf.float32 if wide else dtype, n=part.n,
+                              **self._part_attrs(part, info))
+        return tf.cast(out, dtype) if wide else out
 
     # two-level
     @staticmethod

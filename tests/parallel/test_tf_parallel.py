@@ -404,3 +404,109 @@ def test_a_rank_outside_the_process_set_keeps_its_own_gradient(spec, graph):
                                                      min_compress_bytes=0))
     if RANK == 1 or spec == "none":
         assert all(np.array_equal(a.numpy(), b.numpy()) for a, b in zip(got, want))
+
+
+# ---- every codec takes every gradient a model can produce -----------------------------------
+TF_CODECS = [c.name for c in __import__("hvd_compress").codecs() if "tensorflow" in c.frontends]
+# kind: (variable shape, dtype). TensorFlow has no strided layouts; a gradient is None on all
+# ranks or none (Horovod's TF reduction, like ours, passes None through without a collective).
+TF_KINDS = {
+    "zero_size": ((0, 5), tf.float32),
+    "one_element": ((1, 1), tf.float32),
+    "float16": ((6, 100), tf.float16),
+    "bfloat16": ((6, 100), tf.bfloat16),
+    "float64": ((6, 100), tf.float64),
+    "indexed_slices": ((20, 30), tf.float32),
+    "indexed_slices_as_dense": ((20, 30), tf.float32),
+    "no_grad_anywhere": ((6, 100), tf.float32),
+}
+TF_LOW_PRECISION = ("float16", "bfloat16", "float64")
+TF_ABSENT_STEP = 1
+
+
+def _tf_matrix_spec(codec, stateless):
+    """As the torch matrix: the codec with error feedback where it takes it, none where
+    stateless."""
+    import hvd_compress as hc
+    if stateless or hc.get_codec(codec).builtin_ef:
+        return codec
+    return codec + ",ef=vanilla"
+
+
+def _tf_kind_grad(kind, shape, dtype, step, rank):
+    """The gradient of this kind for (step, rank): dense values, or the rows (with a repeated
+    one) that a tf.gather of the variable would produce."""
+    rng = np.random.default_rng(100 * step + rank)
+    if kind.startswith("indexed_slices"):
+        rows = np.array([3, 0, 3, 17, rank + 5])
+        return tf.IndexedSlices(tf.constant(rng.standard_normal((5, shape[1])), dtype),
+                                tf.constant(rows, tf.int64), tf.constant(shape, tf.int64))
+    return tf.cast(tf.constant(rng.standard_normal(shape)), dtype)
+
+
+def _tf_run_kind(spec, kind, steps, twin):
+    """The reduced gradients of one variable "w" over `steps` through a reducer of its own
+    (what DistributedGradientTape and the Keras optimizer call), and its state at the end.
+    twin: the gradients as dense float32 instead."""
+    import hvd_compress as hc
+    shape, dtype = TF_KINDS[kind]
+    var = tf.Variable(tf.zeros(shape, tf.float32 if twin else dtype))
+    reducer = hvdt.Reducer(hc.parse_spec(spec), 0, hvd.Average, hvd.global_process_set,
+                           sparse_as_dense=kind == "indexed_slices_as_dense")
+    out = []
+    for step in steps:
+        g = None
+        if not (kind == "no_grad_anywhere" and step == TF_ABSENT_STEP):
+            g = _tf_kind_grad(kind, shape, dtype, step, RANK)
+            if twin:
+                g = tf.cast(tf.convert_to_tensor(g), tf.float32)
+        out.append(reducer.reduce([g], [var], names=["w"])[0])
+    return out, reducer.state_dict()
+
+
+@pytest.mark.parametrize("kind", list(TF_KINDS))
+@pytest.mark.parametrize("codec", TF_CODECS)
+def test_every_codec_takes_every_gradient_kind(codec, kind):
+    """The torch matrix's comparison (see its docstring for the low-precision argument) for the
+    kinds TensorFlow has. IndexedSlices travel as Horovod sends them (an allgather of rows,
+    uncompressed), so their twin is the dense gradient through codec none; with
+    sparse_as_dense they are densified first and go through the codec like the twin. A None
+    gradient stays None and touches no state: the twin skips that step."""
+    import hvd_compress as hc
+    shape, dtype = TF_KINDS[kind]
+    low = kind in TF_LOW_PRECISION
+    spec = _tf_matrix_spec(codec, stateless=low)
+    steps = [0, 1, 2]
+    if low and hc.get_codec(codec).builtin_ef:
+        steps = [0]
+    got, state = _tf_run_kind(spec, kind, steps, twin=False)
+    twin_spec = "none" if kind == "indexed_slices" else spec
+    twin_steps = [s for s in steps if not (kind == "no_grad_anywhere" and s == TF_ABSENT_STEP)]
+    want, twin_state = _tf_run_kind(twin_spec, kind, twin_steps, twin=True)
+    if kind == "no_grad_anywhere":
+        assert got[TF_ABSENT_STEP] is None
+        got = got[:TF_ABSENT_STEP] + got[TF_ABSENT_STEP + 1:]
+    assert len(got) == len(want)
+    for step, (g, w) in enumerate(zip(got, want)):
+        if kind == "indexed_slices":
+            assert isinstance(g, tf.IndexedSlices)
+        g = tf.convert_to_tensor(g)
+        assert g.dtype == dtype and g.shape == w.shape, (step, g.dtype, g.shape)
+        if kind == "indexed_slices":  # Horovod adds the gathered rows in another order
+            np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=4e-7, atol=1e-7)
+        elif kind == "float64":
+            w = w.numpy()
+            tol = 4 * float(np.finfo(np.float32).eps) * max(1.0, float(np.abs(w).max()))
+            np.testing.assert_allclose(g.numpy().astype(np.float32), w, rtol=0, atol=tol)
+        elif low:
+            assert same_bits(tf.cast(g, tf.float32).numpy(),
+                             tf.cast(tf.cast(w, dtype), tf.float32).numpy()), f"step {step}"
+        else:
+            assert same_bits(g.numpy(), w.numpy()), f"step {step}"
+    if not low and kind != "indexed_slices":
+        assert state["steps"] == twin_state["steps"]
+        assert state["slots"].keys() == twin_state["slots"].keys()
+        for name, kinds in twin_state["slots"].items():
+            assert state["slots"][name].keys() == kinds.keys()
+            for slot, arr in kinds.items():
+                assert same_bits(state["slots"][name][slot], arr), (name, slot)
