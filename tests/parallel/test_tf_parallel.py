@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from helpers import same_bits, tensorboard_scalars, two_rank_marker
+from helpers import owner_sums_rounded_to, same_bits, tensorboard_scalars, two_rank_marker
 from simulation import Simulation, grads_for_step
 import hvd_compress.tensorflow as hvdt
 import hvd_compress.tensorflow.keras as hvdk
@@ -407,7 +407,6 @@ def test_a_rank_outside_the_process_set_keeps_its_own_gradient(spec, graph):
 
 
 # ---- every codec takes every gradient a model can produce -----------------------------------
-TF_CODECS = [c.name for c in __import__("hvd_compress").codecs() if "tensorflow" in c.frontends]
 # kind: (variable shape, dtype). TensorFlow has no strided layouts; a gradient is None on all
 # ranks or none (Horovod's TF reduction, like ours, passes None through without a collective).
 TF_KINDS = {
@@ -424,13 +423,29 @@ TF_LOW_PRECISION = ("float16", "bfloat16", "float64")
 TF_ABSENT_STEP = 1
 
 
-def _tf_matrix_spec(codec, stateless):
+def _tf_matrix_spec(codec, stateless, collective=None):
     """As the torch matrix: the codec with error feedback where it takes it, none where
     stateless."""
     import hvd_compress as hc
+    spec = codec + (f",collective={collective}" if collective else "")
     if stateless or hc.get_codec(codec).builtin_ef:
-        return codec
-    return codec + ",ef=vanilla"
+        return spec
+    return spec + ",ef=vanilla"
+
+
+def _tf_codec_strategies():
+    """Every TensorFlow codec alone and forced onto each other strategy it has (as the torch
+    matrix's codec_strategies)."""
+    import hvd_compress as hc
+    pairs = []
+    for c in hc.codecs():
+        if "tensorflow" in c.frontends:
+            pairs.append((c.name, None))
+            if "compressed_allreduce" in c.strategies:
+                pairs.append((c.name, "allreduce"))
+            if "homomorphic" in c.strategies:
+                pairs.append((c.name, "homomorphic"))
+    return pairs
 
 
 def _tf_kind_grad(kind, shape, dtype, step, rank):
@@ -465,23 +480,29 @@ def _tf_run_kind(spec, kind, steps, twin):
 
 
 @pytest.mark.parametrize("kind", list(TF_KINDS))
-@pytest.mark.parametrize("codec", TF_CODECS)
-def test_every_codec_takes_every_gradient_kind(codec, kind):
+@pytest.mark.parametrize("codec,collective", _tf_codec_strategies())
+def test_every_codec_takes_every_gradient_kind(codec, collective, kind, monkeypatch):
     """The torch matrix's comparison (see its docstring for the low-precision argument) for the
     kinds TensorFlow has. IndexedSlices travel as Horovod sends them (an allgather of rows,
     uncompressed), so their twin is the dense gradient through codec none; with
     sparse_as_dense they are densified first and go through the codec like the twin. A None
-    gradient stays None and touches no state: the twin skips that step."""
+    gradient stays None and touches no state: the twin skips that step. Under the compressed
+    allreduce the twin rounds the owners' sums of a 16-bit gradient as that run holds them
+    (owner_sums_rounded_to)."""
     import hvd_compress as hc
     shape, dtype = TF_KINDS[kind]
     low = kind in TF_LOW_PRECISION
-    spec = _tf_matrix_spec(codec, stateless=low)
+    spec = _tf_matrix_spec(codec, stateless=low, collective=collective)
     steps = [0, 1, 2]
     if low and hc.get_codec(codec).builtin_ef:
         steps = [0]
     got, state = _tf_run_kind(spec, kind, steps, twin=False)
     twin_spec = "none" if kind == "indexed_slices" else spec
     twin_steps = [s for s in steps if not (kind == "no_grad_anywhere" and s == TF_ABSENT_STEP)]
+    if collective == "allreduce" and dtype in (tf.float16, tf.bfloat16):
+        from hvd_compress.tensorflow.codec import TFCodec
+        owner_sums_rounded_to(dtype, monkeypatch,
+                              (TFCodec, lambda t, d: tf.cast(tf.cast(t, d), tf.float32)))
     want, twin_state = _tf_run_kind(twin_spec, kind, twin_steps, twin=True)
     if kind == "no_grad_anywhere":
         assert got[TF_ABSENT_STEP] is None

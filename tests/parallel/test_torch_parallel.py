@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import numpy_ref as ref
-from helpers import TORCH_DTYPES, n2t, same_bits, t2n, two_rank_marker
+from helpers import TORCH_DTYPES, n2t, owner_sums_rounded_to, same_bits, t2n, two_rank_marker
 from simulation import Simulation, grads_for_step, rank_sum
 import hvd_compress as hc
 import hvd_compress.torch as hvdc
@@ -690,16 +690,34 @@ def test_non_contiguous_gradients_reduce_like_a_contiguous_twin(spec, kind):
 
 
 # ---- every codec takes every gradient a model can produce -----------------------------------
-def _matrix_spec(codec, stateless):
+def _matrix_spec(codec, stateless, collective=None):
     """The codec at settings that compress this test's small tensors (PowerSGD from step 0),
     with error feedback wherever the codec takes it, so that state is compared too. stateless:
     no state that carries one step's rounding into the next (see test_every_codec_...)."""
     spec = {"powersgd": "powersgd,rank=1,start_iter=0", "dgc": "dgc,k=0.05",
             "threshold": "threshold,threshold=0.5"}.get(codec, codec)
+    if collective:
+        spec += f",collective={collective}"
     info = hc.get_codec(codec)
     if stateless:
         return spec + (",error_feedback=false" if codec == "powersgd" else "")
     return spec if info.builtin_ef or info.rounds == 2 else spec + ",ef=vanilla"
+
+
+def codec_strategies(frontend):
+    """Every codec of the frontend, alone (collective=auto: Horovod's allreduce or the
+    allgather at 2 ranks) and forced onto each other strategy it has: collective=allreduce takes
+    the compressed allreduce (or for the quantisers the homomorphic one where that is fewer
+    bytes), collective=homomorphic the homomorphic allreduce."""
+    pairs = []
+    for c in hc.codecs():
+        if frontend in c.frontends:
+            pairs.append((c.name, None))
+            if "compressed_allreduce" in c.strategies:
+                pairs.append((c.name, "allreduce"))
+            if "homomorphic" in c.strategies:
+                pairs.append((c.name, "homomorphic"))
+    return pairs
 
 
 # kind: (parameter shape, dtype, how the parameter is laid out)
@@ -779,8 +797,8 @@ def _kind_twin(spec, kind, steps):
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
-@pytest.mark.parametrize("codec", [c.name for c in hc.codecs()])
-def test_every_codec_takes_every_gradient_kind(codec, kind):
+@pytest.mark.parametrize("codec,collective", codec_strategies("torch"))
+def test_every_codec_takes_every_gradient_kind(codec, collective, kind, monkeypatch):
     """Each gradient kind against a contiguous float32 twin through the same codec.
 
     Layouts, sizes and missing gradients change nothing in the arithmetic: the reduced
@@ -796,10 +814,12 @@ def test_every_codec_takes_every_gradient_kind(codec, kind):
     computation from the second step on); efsignsgd and dgc, whose state is built in, are
     compared on their first step only. float64 adds no rounding of its own but computes in
     double where the twin rounds each operation to float32: within 4 float32 ulps of the
-    largest value (deterministic codecs, and the stochastic ones with these seeds)."""
+    largest value (deterministic codecs, and the stochastic ones with these seeds). Under the
+    compressed allreduce a 16-bit gradient's chunk sums are rounded to its dtype before the
+    owners encode them again; the twin rounds them alike (owner_sums_rounded_to)."""
     shape, dtype, layout = KINDS[kind]
     low = kind in LOW_PRECISION
-    spec = _matrix_spec(codec, stateless=low)
+    spec = _matrix_spec(codec, stateless=low, collective=collective)
     steps = [0, 1, 2]
     if low and hc.get_codec(codec).builtin_ef and codec != "powersgd":
         steps = [0]
@@ -807,6 +827,10 @@ def test_every_codec_takes_every_gradient_kind(codec, kind):
                "no_grad_anywhere": {(ABSENT_STEP, 0), (ABSENT_STEP, 1)}}.get(kind, set())
     got, weights, state = _run_kind(spec, shape, dtype, layout, steps, lacking)
     twin_steps = [s for s in steps if not (kind == "no_grad_anywhere" and s == ABSENT_STEP)]
+    if collective == "allreduce" and dtype in (torch.float16, torch.bfloat16):
+        from hvd_compress.torch.codec import TorchCodec
+        owner_sums_rounded_to(dtype, monkeypatch,
+                              (TorchCodec, lambda t, d: t.to(d).to(torch.float32)))
     want, twin_weights, twin_state = _kind_twin(spec, kind, twin_steps)
     if kind == "no_grad_anywhere":
         assert got[ABSENT_STEP] is None  # no gradient: the optimizer leaves the weights alone
