@@ -208,6 +208,33 @@ def test_stock_tape_with_linear_codec_and_refusal_of_allgather_codecs():
         hvd.DistributedGradientTape(tape, compression=Compression.topk).gradient(loss, [var])
 
 
+@pytest.mark.parametrize("codec", ["none", "fp16", "randomk"])
+def test_stock_tape_takes_bfloat16_gradients(codec):
+    """Horovod's own allreduce refuses bfloat16; our compressors send it as float32, so the
+    result is a float32 twin's (fed the same values) rounded to bfloat16. Through Horovod's
+    tape random-k keys its seed by shape and dtype, so its twin would sample other elements:
+    it is checked to keep its k elements, the same on both ranks."""
+    g = _tf_kind_grad("bfloat16", (7, 300), tf.bfloat16, 0, RANK)
+
+    def reduced(dtype):
+        var = tf.Variable(tf.zeros((7, 300), dtype))
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(var * tf.cast(g, dtype))
+        tape = hvd.DistributedGradientTape(tape, compression=getattr(Compression, codec))
+        return tape.gradient(loss, [var])[0]
+
+    got = reduced(tf.bfloat16)
+    assert got.dtype == tf.bfloat16
+    got = tf.cast(got, tf.float32)
+    if codec == "randomk":
+        assert 0 < int(tf.math.count_nonzero(got)) <= 21  # k = ceil(0.01 * 2100)
+        both = hvd.allgather(tf.reshape(got, [1, -1]), name="stock_bf16_randomk").numpy()
+        assert same_bits(both[0], both[1])
+    else:
+        want = tf.cast(tf.cast(reduced(tf.float32), tf.bfloat16), tf.float32)
+        assert same_bits(got.numpy(), want.numpy())
+
+
 def test_ranks_with_different_specs_get_an_error():
     spec = "topk,k=0.01" if RANK == 0 else "onebit"
     with pytest.raises(ValueError, match="ranks disagree on the compression spec"):

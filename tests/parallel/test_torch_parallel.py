@@ -292,6 +292,25 @@ def test_stock_optimizer_with_linear_codecs_equals_simulation(codec):
     np.testing.assert_array_equal(t2n(p.grad), want)
 
 
+@pytest.mark.parametrize("codec", ["none", "fp16", "randomk"])
+def test_stock_optimizer_takes_bfloat16_gradients(codec):
+    """Horovod's own allreduce refuses bfloat16; our compressors send it as float32, so the
+    result is a float32 twin's (fed the same values) rounded to bfloat16."""
+    def reduced(dtype):
+        p = torch.nn.Parameter(torch.zeros(7, 300, dtype=dtype))
+        opt = hvd.DistributedOptimizer(torch.optim.SGD([p], lr=0.0), named_parameters=[("w", p)],
+                                       compression=getattr(Compression, codec))
+        g = _kind_grad((7, 300), torch.bfloat16, 0, RANK)
+        opt.zero_grad()
+        (p * g.to(dtype)).sum().backward()
+        opt.synchronize()
+        return p.grad
+
+    got = reduced(torch.bfloat16)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, reduced(torch.float32).to(torch.bfloat16))
+
+
 def test_ranks_with_different_specs_get_an_error():
     spec = "topk,k=0.01" if RANK == 0 else "topk,k=0.02"
     with pytest.raises(ValueError, match="ranks disagree on the compression spec"):
