@@ -506,8 +506,12 @@ def _tf_run_kind(spec, kind, steps, twin):
     return out, reducer.state_dict()
 
 
-@pytest.mark.parametrize("kind", list(TF_KINDS))
-@pytest.mark.parametrize("codec,collective", _tf_codec_strategies())
+# IndexedSlices reach a strategy as the dense gradients the other kinds are.
+TF_MATRIX = [(codec, collective, kind) for codec, collective in _tf_codec_strategies()
+             for kind in TF_KINDS if not (collective and kind.startswith("indexed_slices"))]
+
+
+@pytest.mark.parametrize("codec,collective,kind", TF_MATRIX)
 def test_every_codec_takes_every_gradient_kind(codec, collective, kind, monkeypatch):
     """The torch matrix's comparison (see its docstring for the low-precision argument) for the
     kinds TensorFlow has. IndexedSlices travel as Horovod sends them (an allgather of rows,
@@ -520,7 +524,7 @@ def test_every_codec_takes_every_gradient_kind(codec, collective, kind, monkeypa
     shape, dtype = TF_KINDS[kind]
     low = kind in TF_LOW_PRECISION
     spec = _tf_matrix_spec(codec, stateless=low, collective=collective)
-    steps = [0, 1, 2]
+    steps = [0, 1, 2] if kind == "no_grad_anywhere" else [0, 1]
     if low and hc.get_codec(codec).builtin_ef:
         steps = [0]
     got, state = _tf_run_kind(spec, kind, steps, twin=False)

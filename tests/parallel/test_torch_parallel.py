@@ -815,8 +815,13 @@ def _kind_twin(spec, kind, steps):
     return out, p.detach().clone(), opt.compression_state_dict()
 
 
-@pytest.mark.parametrize("kind", list(KINDS))
-@pytest.mark.parametrize("codec,collective", codec_strategies("torch"))
+# A layout is undone before any strategy sees the gradient: the other strategies are run on
+# the kinds that reach them.
+MATRIX = [(codec, collective, kind) for codec, collective in codec_strategies("torch")
+          for kind in KINDS if not (collective and kind in ("transposed", "channels_last"))]
+
+
+@pytest.mark.parametrize("codec,collective,kind", MATRIX)
 def test_every_codec_takes_every_gradient_kind(codec, collective, kind, monkeypatch):
     """Each gradient kind against a contiguous float32 twin through the same codec.
 
@@ -839,7 +844,7 @@ def test_every_codec_takes_every_gradient_kind(codec, collective, kind, monkeypa
     shape, dtype, layout = KINDS[kind]
     low = kind in LOW_PRECISION
     spec = _matrix_spec(codec, stateless=low, collective=collective)
-    steps = [0, 1, 2]
+    steps = [0, 1, 2] if kind.startswith("no_grad") else [0, 1]
     if low and hc.get_codec(codec).builtin_ef and codec != "powersgd":
         steps = [0]
     lacking = {"no_grad_on_rank_1": {(ABSENT_STEP, 1)},
