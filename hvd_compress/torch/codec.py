@@ -64,6 +64,7 @@ def all_finite(t: torch.Tensor) -> torch.Tensor:
     low, high = torch.aminmax(t)
     return torch.isfinite(low) & torch.isfinite(high)
 
+
 def _decode(kernel_id: int, payload: torch.Tensor, out: torch.Tensor, kp: _C.Params,
             alpha: float) -> None:
     """out = alpha * D(payload). A bfloat16 payload that Horovod reduced as float32 (it has no

@@ -486,15 +486,18 @@ def _tf_kind_grad(kind, shape, dtype, step, rank):
     return tf.cast(tf.constant(rng.standard_normal(shape)), dtype)
 
 
-def _tf_run_kind(spec, kind, steps, twin):
+def _tf_run_kind(spec, kind, steps, twin, graph=False):
     """The reduced gradients of one variable "w" over `steps` through a reducer of its own
     (what DistributedGradientTape and the Keras optimizer call), and its state at the end.
-    twin: the gradients as dense float32 instead."""
+    twin: the gradients as dense float32 instead. graph: reduced inside a tf.function."""
     import hvd_compress as hc
     shape, dtype = TF_KINDS[kind]
     var = tf.Variable(tf.zeros(shape, tf.float32 if twin else dtype))
     reducer = hvdt.Reducer(hc.parse_spec(spec), 0, hvd.Average, hvd.global_process_set,
                            sparse_as_dense=kind == "indexed_slices_as_dense")
+    reduce = (lambda g: reducer.reduce([g], [var], names=["w"])[0])
+    if graph:
+        reduce = tf.function(reduce)
     out = []
     for step in steps:
         g = None
@@ -502,7 +505,7 @@ def _tf_run_kind(spec, kind, steps, twin):
             g = _tf_kind_grad(kind, shape, dtype, step, RANK)
             if twin:
                 g = tf.cast(tf.convert_to_tensor(g), tf.float32)
-        out.append(reducer.reduce([g], [var], names=["w"])[0])
+        out.append(reduce(g))
     return out, reducer.state_dict()
 
 
@@ -562,3 +565,16 @@ def test_every_codec_takes_every_gradient_kind(codec, collective, kind, monkeypa
             assert state["slots"][name].keys() == kinds.keys()
             for slot, arr in kinds.items():
                 assert same_bits(state["slots"][name][slot], arr), (name, slot)
+
+
+# One codec per path a bfloat16 gradient takes: Horovod's allreduce of the gradient, of a
+# bfloat16 payload (random-k), of a float16 payload, and an allgather of bytes.
+@pytest.mark.parametrize("codec", ["none", "randomk", "fp16", "onebit"])
+def test_bfloat16_gradients_in_a_tf_function(codec):
+    """bfloat16's float32 detours (Horovod has no bfloat16 allreduce) inside a traced step."""
+    got, _ = _tf_run_kind(codec, "bfloat16", [0, 1], twin=False, graph=True)
+    want, _ = _tf_run_kind(codec, "bfloat16", [0, 1], twin=True, graph=True)
+    for step, (g, w) in enumerate(zip(got, want)):
+        assert g.dtype == tf.bfloat16
+        assert same_bits(tf.cast(g, tf.float32).numpy(),
+                         tf.cast(tf.cast(w, tf.bfloat16), tf.float32).numpy()), f"step {step}"
