@@ -120,3 +120,18 @@ def tensorboard_scalars(logdir: str) -> dict:
                      else float(tensor_util.make_ndarray(value.tensor)))
                 found.setdefault(value.tag, []).append((event.step, v))
     return found
+
+
+def owner_sums_rounded_to(dtype, monkeypatch, reduce_of):
+    """In the compressed allreduce a chunk's owner sums the ranks' payloads into a tensor of
+    the gradient's dtype and encodes that again: a float16 or bfloat16 gradient's sum is
+    rounded once more there. The twin of such a run rounds its owners' sums the same way
+    (`reduce_of`: the frontend codec class and its cast), and nothing else."""
+    cls, cast = reduce_of
+    original = cls.reduce
+
+    def rounded(self, job, payloads, part, info, ranks, alpha, *out):
+        summed = original(self, job, payloads, part, info, ranks, alpha, *out)
+        return summed if out else cast(summed, dtype)
+
+    monkeypatch.setattr(cls, "reduce", rounded)

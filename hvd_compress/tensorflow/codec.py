@@ -61,6 +61,15 @@ class _Residual:
     new_carries: list = field(default_factory=list)
 
 
+def _decode(payload, step, alpha, dtype, n: int, attrs: dict):
+    """alpha * D(payload) in `dtype`. A bfloat16 payload that Horovod reduced as float32 (it has
+    no bfloat16 allreduce) is decoded in float32 and rounded once, so the result is the float32
+    computation's, rounded."""
+    wide = payload.dtype == tf.float32 and dtype == tf.bfloat16
+    out = lib.hvdc_decode(payload, step, alpha, T=tf.float32 if wide else dtype, n=n, **attrs)
+    return tf.cast(out, dtype) if wide else out
+
+
 class TFCodec:
     """Variable-size codecs (threshold) run in the torch frontend only, so the plans never ask
     this codec to walk() gathered payloads."""
@@ -143,8 +152,8 @@ class TFCodec:
         return self.store.slot(name, kind, like)
 
     def decode(self, reduced, enc: Encoded, alpha: float):
-        out = lib.hvdc_decode(reduced, enc.step, tf.constant(alpha, tf.float64), T=enc.dtype,
-                              n=enc.n, **enc.attrs)
+        out = _decode(reduced, enc.step, tf.constant(alpha, tf.float64), enc.dtype, enc.n,
+                      enc.attrs)
         return tf.reshape(out, enc.shape)
 
     def aggregate(self, gathered, enc: Encoded, alpha: float):
@@ -260,9 +269,8 @@ class TFCodec:
     reduce_into = reduce  # TF ops allocate their outputs
 
     def decode_part(self, job: Job, payload, part: Part, info: CodecInfo, alpha: float):
-        return lib.hvdc_decode(payload, job.step, self._scalar(job, alpha),
-                               T=job.extra["grad"].dtype, n=part.n,
-                               **self._part_attrs(part, info))
+        return _decode(payload, job.step, self._scalar(job, alpha), job.extra["grad"].dtype,
+                       part.n, self._part_attrs(part, info))
 
     # two-level
     @staticmethod

@@ -8,6 +8,8 @@ tape/optimizer, without ef/momentum; anything else raises at the first compress(
 """
 from __future__ import annotations
 
+import tensorflow as tf
+
 from ..compressor import CompressionNamespace, CompressorBase
 from ..spec import CompressionConfig
 from ..state import StateStore
@@ -25,13 +27,19 @@ class Compressor(CompressorBase):
         self.check_stock_use("hvd_compress.tensorflow.DistributedGradientTape or "
                              "hvd_compress.tensorflow.keras.DistributedOptimizer")
         if self.config.codec == "none":
+            if tensor.dtype == tf.bfloat16:  # Horovod 0.28.1 has no bfloat16 allreduce
+                return tf.cast(tensor, tf.float32), tf.bfloat16
             return tensor, None
         enc = self._codec.encode(f"shape{tensor.shape.as_list()}:{tensor.dtype.name}", tensor)
-        return enc.payload, enc
+        # bfloat16 values travel as float32 (exact) and are decoded from it (TFCodec.decode).
+        payload = enc.payload
+        return (tf.cast(payload, tf.float32) if payload.dtype == tf.bfloat16 else payload), enc
 
     def decompress(self, tensor, ctx):
         if ctx is None:
             return tensor
+        if isinstance(ctx, tf.DType):
+            return tf.cast(tensor, ctx)
         return self._codec.decode(tensor, ctx, 1.0)
 
 

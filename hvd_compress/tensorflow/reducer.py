@@ -228,15 +228,21 @@ class Reducer:
         self.store.spec = config.canonical()
 
     def _plain(self, grad, opname):
-        return hvd.allreduce(grad, op=self.op, name=opname, process_set=self.process_set)
+        if isinstance(grad, tf.IndexedSlices) or grad.dtype != tf.bfloat16:
+            return hvd.allreduce(grad, op=self.op, name=opname, process_set=self.process_set)
+        # Horovod 0.28.1 has no bfloat16 allreduce: as float32 (exact), rounded back once.
+        return tf.cast(hvd.allreduce(tf.cast(grad, tf.float32), op=self.op, name=opname,
+                                     process_set=self.process_set), tf.bfloat16)
 
     def _perform(self, request):
         """One collective a plan asks for. A graph runs Horovod's ops asynchronously itself, so
         the plan resumes at once with the symbolic result."""
         ps = self.groups[request.group]
         if isinstance(request, collectives.Allreduce):
-            return hvd.allreduce(request.tensor, op=_OPS[request.op], name=request.name,
-                                 process_set=ps)
+            t = request.tensor
+            if t.dtype == tf.bfloat16:  # no bfloat16 in Horovod's allreduce: float32, exact
+                t = tf.cast(t, tf.float32)
+            return hvd.allreduce(t, op=_OPS[request.op], name=request.name, process_set=ps)
         if isinstance(request, collectives.Allgather):
             # As [1, bytes] rows, Horovod refuses ranks whose payload sizes differ.
             t = tf.reshape(request.tensor, [1, -1]) if request.rows else request.tensor

@@ -64,6 +64,20 @@ def all_finite(t: torch.Tensor) -> torch.Tensor:
     low, high = torch.aminmax(t)
     return torch.isfinite(low) & torch.isfinite(high)
 
+
+def _decode(kernel_id: int, payload: torch.Tensor, out: torch.Tensor, kp: _C.Params,
+            alpha: float) -> None:
+    """out = alpha * D(payload). A bfloat16 payload that Horovod reduced as float32 (it has no
+    bfloat16 allreduce) is decoded in float32 and rounded once, so the result is the float32
+    computation's, rounded."""
+    if payload.dtype == torch.float32 and out.dtype == torch.bfloat16:
+        wide = torch.empty(out.shape, dtype=torch.float32, device=out.device)
+        _C.decode(kernel_id, payload, wide, kp, alpha, False)
+        out.copy_(wide)
+    else:
+        _C.decode(kernel_id, payload, out, kp, alpha, False)
+
+
 class TorchCodec:
     def __init__(self, config: CompressionConfig, store: StateStore | None, rank: int = 0,
                  world: int = 1):
@@ -138,7 +152,7 @@ class TorchCodec:
                out: torch.Tensor | None = None) -> torch.Tensor:
         """out = alpha * D(reduced): the allreduced payload of a linear codec."""
         out = self._out(enc, out)
-        _C.decode(self.info.kernel_id, reduced, out, enc.params, alpha, False)
+        _decode(self.info.kernel_id, reduced, out, enc.params, alpha)
         return out
 
     def aggregate(self, gathered: torch.Tensor, enc: Encoded, alpha: float,
@@ -285,7 +299,7 @@ class TorchCodec:
         if info.variable_size:
             _C.aggregate_concat(info.kernel_id, payload, 1, out, kp, alpha)
         else:
-            _C.decode(info.kernel_id, payload, out, kp, alpha, False)
+            _decode(info.kernel_id, payload, out, kp, alpha)
         return out
 
     @staticmethod

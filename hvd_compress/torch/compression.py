@@ -27,6 +27,8 @@ class Compressor(CompressorBase):
     def compress(self, tensor: torch.Tensor):
         self.check_stock_use("hvd_compress.torch.DistributedOptimizer(optimizer, compression=...)")
         if self.config.codec == "none" or tensor.dtype not in DTYPE_NAMES:
+            if tensor.dtype == torch.bfloat16:  # Horovod 0.28.1 has no bfloat16 allreduce
+                return tensor.float(), torch.bfloat16
             return tensor, None
         # No name reaches us here, so randomk's shared seed is keyed by the tensor's shape and
         # how many tensors of that shape came before it: identical on ranks that run the same
@@ -35,11 +37,14 @@ class Compressor(CompressorBase):
         count = self._calls.get(key, 0)
         self._calls[key] = count + 1
         enc = self._codec.encode(f"{list(key[0])}#{count}", tensor)
-        return enc.payload, enc
+        # bfloat16 values travel as float32 (exact) and are decoded from it (TorchCodec.decode).
+        return (enc.payload.float() if enc.payload.dtype == torch.bfloat16 else enc.payload), enc
 
     def decompress(self, tensor: torch.Tensor, ctx):
         if ctx is None:
             return tensor
+        if isinstance(ctx, torch.dtype):
+            return tensor.to(ctx)
         return self._codec.decode(tensor, ctx, 1.0)
 
 

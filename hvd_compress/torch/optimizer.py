@@ -113,7 +113,7 @@ class _CompressedReduction:
         if (grad.is_sparse or self._hvdc_config.codec == "none" or grad.dtype not in DTYPE_NAMES
                 or grad.numel() * grad.element_size() < self._hvdc_min_bytes
                 or grad.dim() < self._hvdc_codec.info.min_dim):
-            handle, ctx = _DistributedOptimizer._allreduce_grad_async(self, p)
+            handle, ctx = self._hvdc_plain_allreduce_async(p)
             if not grad.is_sparse:
                 nbytes = grad.numel() * grad.element_size()
                 self._hvdc_stats.record(name, "none", nbytes, nbytes, collectives.ALLREDUCE,
@@ -134,6 +134,19 @@ class _CompressedReduction:
                                 job.payload_bytes, job.strategy, job.wire_bytes)
         return pending, None
 
+    def _hvdc_plain_allreduce_async(self, p):
+        """Horovod's own allreduce of p.grad. Horovod 0.28.1 has no bfloat16 allreduce: such a
+        gradient travels as float32 (exact) and is rounded back once, after the reduction."""
+        grad = p.grad
+        if grad.is_sparse or grad.dtype != torch.bfloat16:
+            return _DistributedOptimizer._allreduce_grad_async(self, p)
+        pre, post = ((1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor)
+                     if self.op == hvd.Average else (1.0, 1.0))
+        handle = hvd.allreduce_async_(grad.float(), name=self._parameter_names.get(p),
+                                      op=self.op, prescale_factor=pre, postscale_factor=post,
+                                      process_set=self.process_set)
+        return (lambda: hvd.synchronize(handle).to(grad.dtype)), None
+
     def _powersgd_grad_async(self, p, name, grad):
         step = self._hvdc_powersgd.compressed_step(name, grad)
         nbytes = grad.numel() * grad.element_size()
@@ -141,7 +154,7 @@ class _CompressedReduction:
         if step is None:
             self._hvdc_stats.record(name, "none", nbytes, nbytes, collectives.ALLREDUCE,
                                     _ring_allreduce_bytes(nbytes, world))
-            return _DistributedOptimizer._allreduce_grad_async(self, p)
+            return self._hvdc_plain_allreduce_async(p)
         member = self._hvdc_powersgd.start(name, grad, step)
         sent = member.sent_elements * (8 if grad.dtype == torch.float64 else 4)
         self._hvdc_stats.record(name, "powersgd", nbytes, sent, collectives.ALLREDUCE,
@@ -149,12 +162,24 @@ class _CompressedReduction:
         return member, None
 
     def synchronize(self):
+        nowhere = self._hvdc_without_gradient()
+        # Gradients that only other ranks computed: zeros go in their place, as in Horovod's
+        # optimizer, issued before any batch below is closed so that PowerSGD's batches hold the
+        # same members on every rank.
+        for p in self._requires_update - nowhere:
+            if p not in self._handles:
+                self._handles[p] = self._allreduce_grad_async(p)
         # Two-round codecs: every first round is finished and every second round issued before
         # Horovod's loop waits on any result, so the second allreduces overlap each other.
         for handle, _ in list(self._handles.values()):
             if hasattr(handle, "prepare"):
                 handle.prepare()
-        _DistributedOptimizer.synchronize(self)
+        everything = self._requires_update
+        self._requires_update = everything - nowhere
+        try:
+            _DistributedOptimizer.synchronize(self)
+        finally:
+            self._requires_update = everything
         if self._hvdc_powersgd is not None:
             self._hvdc_powersgd.end_step()
         store = self._hvdc_store
@@ -165,6 +190,24 @@ class _CompressedReduction:
         self._hvdc_stats.end_step()
         if self._hvdc_writer is not None:
             self._hvdc_write_step()
+
+    def _hvdc_without_gradient(self) -> set:
+        """The parameters that no rank of the set has a gradient for in this step (not
+        reduced: none computed in backward, p.grad None). Horovod would reduce zeros for them;
+        here the step does not exist for them: no gradient, no update, and no compression
+        state touched (an error-feedback residual would otherwise be sent). Which parameters
+        those are takes one small allreduce per step: a rank that computed every gradient
+        cannot know that another lacks one."""
+        ps = self.process_set
+        if not ps.included():
+            return set()
+        params = sorted(self._requires_update, key=lambda q: self._parameter_names[q])
+        has = torch.tensor([q in self._handles or q.grad is not None for q in params],
+                           dtype=torch.int32)
+        if ps.size() > 1:
+            has = hvd.allreduce(has, op=hvd.Sum, name="hvd_compress.has_gradient",
+                                process_set=ps)
+        return {q for q, count in zip(params, has.tolist()) if count == 0}
 
     def _hvdc_finite(self) -> bool:
         flags = [all_finite(g._values() if g.is_sparse else g)
@@ -252,8 +295,11 @@ class PendingPlan:
     def _issue(self, request) -> None:
         ps = self._groups[request.group]
         if isinstance(request, collectives.Allreduce):
-            handle = hvd.allreduce_async_(request.tensor, name=request.name,
-                                          op=_OPS[request.op], process_set=ps)
+            t = request.tensor
+            if t.dtype == torch.bfloat16:  # no bfloat16 in Horovod's allreduce: float32, exact
+                t = t.float()
+            handle = hvd.allreduce_async_(t, name=request.name, op=_OPS[request.op],
+                                          process_set=ps)
         elif isinstance(request, collectives.Allgather):
             t = request.tensor.view(1, -1) if request.rows else request.tensor
             handle = hvd.allgather_async(t, name=request.name, process_set=ps)

@@ -58,7 +58,7 @@ class PowerSGDState:
         return cls(seed=cfg.seed, **cfg.param_dict)
 
     def compresses(self, shape: torch.Size) -> bool:
-        if len(shape) < 2:
+        if len(shape) < 2 or shape.numel() == 0:  # a zero-size matrix has nothing to factor
             return False
         rows = shape[0]
         cols = shape.numel() // rows

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from helpers import same_bits, tensorboard_scalars, two_rank_marker
+from helpers import owner_sums_rounded_to, same_bits, tensorboard_scalars, two_rank_marker
 from simulation import BPPS_SPECS, Simulation, bpps_pass_grads, bpps_weights, grads_for_step
 import hvd_compress.tensorflow as hvdt
 import hvd_compress.tensorflow.keras as hvdk
@@ -218,6 +218,33 @@ def test_stock_tape_with_linear_codec_and_refusal_of_allgather_codecs():
         loss = tf.reduce_sum(var * tf.constant(grads[RANK]))
     with pytest.raises(RuntimeError, match="topk payloads travel by allgather"):
         hvd.DistributedGradientTape(tape, compression=Compression.topk).gradient(loss, [var])
+
+
+@pytest.mark.parametrize("codec", ["none", "fp16", "randomk"])
+def test_stock_tape_takes_bfloat16_gradients(codec):
+    """Horovod's own allreduce refuses bfloat16; our compressors send it as float32, so the
+    result is a float32 twin's (fed the same values) rounded to bfloat16. Through Horovod's
+    tape random-k keys its seed by shape and dtype, so its twin would sample other elements:
+    it is checked to keep its k elements, the same on both ranks."""
+    g = _tf_kind_grad("bfloat16", (7, 300), tf.bfloat16, 0, RANK)
+
+    def reduced(dtype):
+        var = tf.Variable(tf.zeros((7, 300), dtype))
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(var * tf.cast(g, dtype))
+        tape = hvd.DistributedGradientTape(tape, compression=getattr(Compression, codec))
+        return tape.gradient(loss, [var])[0]
+
+    got = reduced(tf.bfloat16)
+    assert got.dtype == tf.bfloat16
+    got = tf.cast(got, tf.float32)
+    if codec == "randomk":
+        assert 0 < int(tf.math.count_nonzero(got)) <= 21  # k = ceil(0.01 * 2100)
+        both = hvd.allgather(tf.reshape(got, [1, -1]), name="stock_bf16_randomk").numpy()
+        assert same_bits(both[0], both[1])
+    else:
+        want = tf.cast(tf.cast(reduced(tf.float32), tf.bfloat16), tf.float32)
+        assert same_bits(got.numpy(), want.numpy())
 
 
 def test_ranks_with_different_specs_get_an_error():
@@ -437,3 +464,150 @@ def test_a_rank_outside_the_process_set_keeps_its_own_gradient(spec, graph):
                                                      min_compress_bytes=0))
     if RANK == 1 or spec == "none":
         assert all(np.array_equal(a.numpy(), b.numpy()) for a, b in zip(got, want))
+
+
+# ---- every codec takes every gradient a model can produce -----------------------------------
+# kind: (variable shape, dtype). TensorFlow has no strided layouts; a gradient is None on all
+# ranks or none (Horovod's TF reduction, like ours, passes None through without a collective).
+TF_KINDS = {
+    "zero_size": ((0, 5), tf.float32),
+    "one_element": ((1, 1), tf.float32),
+    "float16": ((6, 100), tf.float16),
+    "bfloat16": ((6, 100), tf.bfloat16),
+    "float64": ((6, 100), tf.float64),
+    "indexed_slices": ((20, 30), tf.float32),
+    "indexed_slices_as_dense": ((20, 30), tf.float32),
+    "no_grad_anywhere": ((6, 100), tf.float32),
+}
+TF_LOW_PRECISION = ("float16", "bfloat16", "float64")
+TF_ABSENT_STEP = 1
+
+
+def _tf_matrix_spec(codec, stateless, collective=None):
+    """As the torch matrix: the codec with error feedback where it takes it, none where
+    stateless."""
+    import hvd_compress as hc
+    spec = codec + (f",collective={collective}" if collective else "")
+    if stateless or hc.get_codec(codec).builtin_ef:
+        return spec
+    return spec + ",ef=vanilla"
+
+
+def _tf_codec_strategies():
+    """Every TensorFlow codec alone and forced onto each other strategy it has (as the torch
+    matrix's codec_strategies)."""
+    import hvd_compress as hc
+    pairs = []
+    for c in hc.codecs():
+        if "tensorflow" in c.frontends:
+            pairs.append((c.name, None))
+            if "compressed_allreduce" in c.strategies:
+                pairs.append((c.name, "allreduce"))
+            if "homomorphic" in c.strategies:
+                pairs.append((c.name, "homomorphic"))
+    return pairs
+
+
+def _tf_kind_grad(kind, shape, dtype, step, rank):
+    """The gradient of this kind for (step, rank): dense values, or the rows (with a repeated
+    one) that a tf.gather of the variable would produce."""
+    rng = np.random.default_rng(100 * step + rank)
+    if kind.startswith("indexed_slices"):
+        rows = np.array([3, 0, 3, 17, rank + 5])
+        return tf.IndexedSlices(tf.constant(rng.standard_normal((5, shape[1])), dtype),
+                                tf.constant(rows, tf.int64), tf.constant(shape, tf.int64))
+    return tf.cast(tf.constant(rng.standard_normal(shape)), dtype)
+
+
+def _tf_run_kind(spec, kind, steps, twin, graph=False):
+    """The reduced gradients of one variable "w" over `steps` through a reducer of its own
+    (what DistributedGradientTape and the Keras optimizer call), and its state at the end.
+    twin: the gradients as dense float32 instead. graph: reduced inside a tf.function."""
+    import hvd_compress as hc
+    shape, dtype = TF_KINDS[kind]
+    var = tf.Variable(tf.zeros(shape, tf.float32 if twin else dtype))
+    reducer = hvdt.Reducer(hc.parse_spec(spec), 0, hvd.Average, hvd.global_process_set,
+                           sparse_as_dense=kind == "indexed_slices_as_dense")
+    reduce = (lambda g: reducer.reduce([g], [var], names=["w"])[0])
+    if graph:
+        reduce = tf.function(reduce)
+    out = []
+    for step in steps:
+        g = None
+        if not (kind == "no_grad_anywhere" and step == TF_ABSENT_STEP):
+            g = _tf_kind_grad(kind, shape, dtype, step, RANK)
+            if twin:
+                g = tf.cast(tf.convert_to_tensor(g), tf.float32)
+        out.append(reduce(g))
+    return out, reducer.state_dict()
+
+
+# IndexedSlices reach a strategy as the dense gradients the other kinds are.
+TF_MATRIX = [(codec, collective, kind) for codec, collective in _tf_codec_strategies()
+             for kind in TF_KINDS if not (collective and kind.startswith("indexed_slices"))]
+
+
+@pytest.mark.parametrize("codec,collective,kind", TF_MATRIX)
+def test_every_codec_takes_every_gradient_kind(codec, collective, kind, monkeypatch):
+    """The torch matrix's comparison (see its docstring for the low-precision argument) for the
+    kinds TensorFlow has. IndexedSlices travel as Horovod sends them (an allgather of rows,
+    uncompressed), so their twin is the dense gradient through codec none; with
+    sparse_as_dense they are densified first and go through the codec like the twin. A None
+    gradient stays None and touches no state: the twin skips that step. Under the compressed
+    allreduce the twin rounds the owners' sums of a 16-bit gradient as that run holds them
+    (owner_sums_rounded_to)."""
+    import hvd_compress as hc
+    shape, dtype = TF_KINDS[kind]
+    low = kind in TF_LOW_PRECISION
+    spec = _tf_matrix_spec(codec, stateless=low, collective=collective)
+    steps = [0, 1, 2] if kind == "no_grad_anywhere" else [0, 1]
+    if low and hc.get_codec(codec).builtin_ef:
+        steps = [0]
+    got, state = _tf_run_kind(spec, kind, steps, twin=False)
+    twin_spec = "none" if kind == "indexed_slices" else spec
+    twin_steps = [s for s in steps if not (kind == "no_grad_anywhere" and s == TF_ABSENT_STEP)]
+    if collective == "allreduce" and dtype in (tf.float16, tf.bfloat16):
+        from hvd_compress.tensorflow.codec import TFCodec
+        owner_sums_rounded_to(dtype, monkeypatch,
+                              (TFCodec, lambda t, d: tf.cast(tf.cast(t, d), tf.float32)))
+    want, twin_state = _tf_run_kind(twin_spec, kind, twin_steps, twin=True)
+    if kind == "no_grad_anywhere":
+        assert got[TF_ABSENT_STEP] is None
+        got = got[:TF_ABSENT_STEP] + got[TF_ABSENT_STEP + 1:]
+    assert len(got) == len(want)
+    for step, (g, w) in enumerate(zip(got, want)):
+        if kind == "indexed_slices":
+            assert isinstance(g, tf.IndexedSlices)
+        g = tf.convert_to_tensor(g)
+        assert g.dtype == dtype and g.shape == w.shape, (step, g.dtype, g.shape)
+        if kind == "indexed_slices":  # Horovod adds the gathered rows in another order
+            np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=4e-7, atol=1e-7)
+        elif kind == "float64":
+            w = w.numpy()
+            tol = 4 * float(np.finfo(np.float32).eps) * max(1.0, float(np.abs(w).max()))
+            np.testing.assert_allclose(g.numpy().astype(np.float32), w, rtol=0, atol=tol)
+        elif low:
+            assert same_bits(tf.cast(g, tf.float32).numpy(),
+                             tf.cast(tf.cast(w, dtype), tf.float32).numpy()), f"step {step}"
+        else:
+            assert same_bits(g.numpy(), w.numpy()), f"step {step}"
+    if not low and kind != "indexed_slices":
+        assert state["steps"] == twin_state["steps"]
+        assert state["slots"].keys() == twin_state["slots"].keys()
+        for name, kinds in twin_state["slots"].items():
+            assert state["slots"][name].keys() == kinds.keys()
+            for slot, arr in kinds.items():
+                assert same_bits(state["slots"][name][slot], arr), (name, slot)
+
+
+# One codec per path a bfloat16 gradient takes: Horovod's allreduce of the gradient, of a
+# bfloat16 payload (random-k), of a float16 payload, and an allgather of bytes.
+@pytest.mark.parametrize("codec", ["none", "randomk", "fp16", "onebit"])
+def test_bfloat16_gradients_in_a_tf_function(codec):
+    """bfloat16's float32 detours (Horovod has no bfloat16 allreduce) inside a traced step."""
+    got, _ = _tf_run_kind(codec, "bfloat16", [0, 1], twin=False, graph=True)
+    want, _ = _tf_run_kind(codec, "bfloat16", [0, 1], twin=True, graph=True)
+    for step, (g, w) in enumerate(zip(got, want)):
+        assert g.dtype == tf.bfloat16
+        assert same_bits(tf.cast(g, tf.float32).numpy(),
+                         tf.cast(tf.cast(w, tf.bfloat16), tf.float32).numpy()), f"step {step}"

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import numpy_ref as ref
-from helpers import TORCH_DTYPES, n2t, same_bits, t2n, two_rank_marker
+from helpers import TORCH_DTYPES, n2t, owner_sums_rounded_to, same_bits, t2n, two_rank_marker
 from simulation import (BPPS_SPECS, Simulation, bpps_pass_grads, bpps_weights, grads_for_step,
                         rank_sum)
 import hvd_compress as hc
@@ -310,6 +310,25 @@ def test_stock_optimizer_with_linear_codecs_equals_simulation(codec):
     np.testing.assert_array_equal(t2n(p.grad), want)
 
 
+@pytest.mark.parametrize("codec", ["none", "fp16", "randomk"])
+def test_stock_optimizer_takes_bfloat16_gradients(codec):
+    """Horovod's own allreduce refuses bfloat16; our compressors send it as float32, so the
+    result is a float32 twin's (fed the same values) rounded to bfloat16."""
+    def reduced(dtype):
+        p = torch.nn.Parameter(torch.zeros(7, 300, dtype=dtype))
+        opt = hvd.DistributedOptimizer(torch.optim.SGD([p], lr=0.0), named_parameters=[("w", p)],
+                                       compression=getattr(Compression, codec))
+        g = _kind_grad((7, 300), torch.bfloat16, 0, RANK)
+        opt.zero_grad()
+        (p * g.to(dtype)).sum().backward()
+        opt.synchronize()
+        return p.grad
+
+    got = reduced(torch.bfloat16)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, reduced(torch.float32).to(torch.bfloat16))
+
+
 def test_ranks_with_different_specs_get_an_error():
     spec = "topk,k=0.01" if RANK == 0 else "topk,k=0.02"
     with pytest.raises(ValueError, match="ranks disagree on the compression spec"):
@@ -445,7 +464,8 @@ def test_powersgd_equals_simulation(spec, dtype, tol):
 def test_powersgd_batch_same_shape_matches_unbatched_and_batches(monkeypatch):
     """Stacking same-shape matrices changes how P and Q travel, not the arithmetic: results and
     state equal the unbatched run bit for bit, with one P and one Q allreduce per shape. On
-    step 2 one matrix gets no gradient; its batch goes with the rest and it follows alone."""
+    step 2 one matrix gets no gradient on rank 1: that rank puts zeros in its place, so the
+    batches agree. On step 3 it gets none anywhere: its batch goes without it."""
     shapes = [(20, 12), (20, 12), (12, 20), (20, 12), (12, 20), (50,)]
     rng = np.random.default_rng(4)
     grads = [[[rng.standard_normal(s) for _ in range(WORLD)] for s in shapes] for _ in range(4)]
@@ -465,25 +485,29 @@ def test_powersgd_batch_same_shape_matches_unbatched_and_batches(monkeypatch):
         for step, g in enumerate(grads):
             sent.clear()
             opt.zero_grad()
-            used = [i for i in range(len(shapes)) if not (step == 2 and i == 3)]
+            lacking = (step == 2 and RANK == 1) or step == 3
+            used = [i for i in range(len(shapes)) if not (lacking and i == 3)]
             sum((params[i][1] * torch.from_numpy(g[i][RANK])).sum() for i in used).backward()
             opt.synchronize()
-            got.append([p.grad.detach().clone() for _, p in params])
+            got.append([p.grad if p.grad is None else p.grad.detach().clone()
+                        for _, p in params])
             with opt.skip_synchronize():
                 opt.step()
-            if batch == "true" and step == 1:
+            if batch == "true" and step in (1, 2):
                 factors = sorted(x for x in sent if ".powersgd_" in x[0])
                 assert factors == [("p0+2.powersgd_p", (3, 20, 2)), ("p0+2.powersgd_q", (3, 2, 12)),
                                    ("p2+1.powersgd_p", (2, 12, 2)), ("p2+1.powersgd_q", (2, 2, 20))]
-            if batch == "true" and step == 2:
+            if batch == "true" and step == 3:
                 factors = sorted(x[0] for x in sent if ".powersgd_" in x[0])
                 assert factors == ["p0+1.powersgd_p", "p0+1.powersgd_q", "p2+1.powersgd_p",
-                                   "p2+1.powersgd_q", "p3.powersgd_p", "p3.powersgd_q"]
+                                   "p2+1.powersgd_q"]
+            if step == 3:
+                assert params[3][1].grad is None
         results[batch] = got
         states[batch] = opt.compression_state_dict()["slots"]
     for a, b in zip(results["false"], results["true"]):
         for x, y in zip(a, b):
-            assert torch.equal(x, y)
+            assert (x is None and y is None) or torch.equal(x, y)
     assert states["false"].keys() == states["true"].keys()
     for name, slots in states["false"].items():
         for slot, value in slots.items():
@@ -718,3 +742,194 @@ def test_non_contiguous_gradients_reduce_like_a_contiguous_twin(spec, kind):
            else (lambda g: g.t().contiguous().t()))
     for got, want in zip(reduced(odd), reduced(lambda g: g)):
         assert torch.equal(got, want)
+
+
+# ---- every codec takes every gradient a model can produce -----------------------------------
+def _matrix_spec(codec, stateless, collective=None):
+    """The codec at settings that compress this test's small tensors (PowerSGD from step 0),
+    with error feedback wherever the codec takes it, so that state is compared too. stateless:
+    no state that carries one step's rounding into the next (see test_every_codec_...)."""
+    spec = {"powersgd": "powersgd,rank=1,start_iter=0", "dgc": "dgc,k=0.05",
+            "threshold": "threshold,threshold=0.5"}.get(codec, codec)
+    if collective:
+        spec += f",collective={collective}"
+    info = hc.get_codec(codec)
+    if stateless:
+        return spec + (",error_feedback=false" if codec == "powersgd" else "")
+    return spec if info.builtin_ef or info.rounds == 2 else spec + ",ef=vanilla"
+
+
+def codec_strategies(frontend):
+    """Every codec of the frontend, alone (collective=auto: Horovod's allreduce or the
+    allgather at 2 ranks) and forced onto each other strategy it has: collective=allreduce takes
+    the compressed allreduce (or for the quantisers the homomorphic one where that is fewer
+    bytes), collective=homomorphic the homomorphic allreduce."""
+    pairs = []
+    for c in hc.codecs():
+        if frontend in c.frontends:
+            pairs.append((c.name, None))
+            if "compressed_allreduce" in c.strategies:
+                pairs.append((c.name, "allreduce"))
+            if "homomorphic" in c.strategies:
+                pairs.append((c.name, "homomorphic"))
+    return pairs
+
+
+# kind: (parameter shape, dtype, how the parameter is laid out)
+KINDS = {
+    "zero_size": ((0, 5), torch.float32, None),
+    "one_element": ((1, 1), torch.float32, None),
+    "transposed": ((30, 20), torch.float32, "transposed"),
+    "channels_last": ((6, 4, 5, 5), torch.float32, "channels_last"),
+    "float16": ((6, 100), torch.float16, None),
+    "bfloat16": ((6, 100), torch.bfloat16, None),
+    "float64": ((6, 100), torch.float64, None),
+    "no_grad_on_rank_1": ((6, 100), torch.float32, None),
+    "no_grad_anywhere": ((6, 100), torch.float32, None),
+}
+LOW_PRECISION = ("float16", "bfloat16", "float64")
+ABSENT_STEP = 1  # the step of the two no_grad kinds without the gradient
+
+
+def _kind_param(shape, dtype, layout):
+    if layout == "transposed":  # a parameter stored transposed: its gradient is too
+        return torch.nn.Parameter(torch.zeros(shape[::-1], dtype=dtype).t())
+    t = torch.zeros(shape, dtype=dtype)
+    if layout == "channels_last":
+        t = t.contiguous(memory_format=torch.channels_last)
+    return torch.nn.Parameter(t)
+
+
+def _kind_grad(shape, dtype, step, rank):
+    g = torch.randn(shape, generator=torch.Generator().manual_seed(100 * step + rank))
+    return g.to(dtype)
+
+
+def _run_kind(spec, shape, dtype, layout, steps, lacking=()):
+    """Steps of SGD on one parameter "w" of that layout and dtype; `lacking`: (step, rank)
+    pairs in which that rank computes no gradient (a twin gets zeros there). Returns the
+    reduced gradient after each synchronize() (None where there is none), the weights and
+    the compression state at the end."""
+    p = _kind_param(shape, dtype, layout)
+    opt = hvdc.DistributedOptimizer(torch.optim.SGD([p], lr=0.5), named_parameters=[("w", p)],
+                                    compression=spec, min_compress_bytes=0)
+    out = []
+    for step in steps:
+        opt.zero_grad()
+        g = _kind_grad(shape, dtype, step, RANK)
+        if (step, RANK) not in lacking:
+            (p * g).sum().backward()
+        opt.synchronize()
+        out.append(None if p.grad is None else p.grad.detach().contiguous().clone())
+        with opt.skip_synchronize():
+            opt.step()
+    return out, p.detach().contiguous().clone(), opt.compression_state_dict()
+
+
+def _kind_twin(spec, kind, steps):
+    """The same run on a contiguous float32 parameter, fed the kind's gradients as float32
+    (so a low-precision kind and its twin start from identical values)."""
+    shape, dtype, _ = KINDS[kind]
+    if kind == "no_grad_on_rank_1":  # Horovod's choice: a rank without a gradient sends zeros
+        def grad(step, rank):
+            g = _kind_grad(shape, dtype, step, rank)
+            return torch.zeros_like(g) if (step, rank) == (ABSENT_STEP, 1) else g
+    else:
+        def grad(step, rank):
+            return _kind_grad(shape, dtype, step, rank)
+    p = torch.nn.Parameter(torch.zeros(shape))
+    opt = hvdc.DistributedOptimizer(torch.optim.SGD([p], lr=0.5), named_parameters=[("w", p)],
+                                    compression=spec, min_compress_bytes=0)
+    out = []
+    for step in steps:
+        opt.zero_grad()
+        (p * grad(step, RANK).float()).sum().backward()
+        opt.synchronize()
+        out.append(p.grad.detach().clone())
+        with opt.skip_synchronize():
+            opt.step()
+    return out, p.detach().clone(), opt.compression_state_dict()
+
+
+# A layout is undone before any strategy sees the gradient: the other strategies are run on
+# the kinds that reach them.
+MATRIX = [(codec, collective, kind) for codec, collective in codec_strategies("torch")
+          for kind in KINDS if not (collective and kind in ("transposed", "channels_last"))]
+
+
+@pytest.mark.parametrize("codec,collective,kind", MATRIX)
+def test_every_codec_takes_every_gradient_kind(codec, collective, kind, monkeypatch):
+    """Each gradient kind against a contiguous float32 twin through the same codec.
+
+    Layouts, sizes and missing gradients change nothing in the arithmetic: the reduced
+    gradients, weights and compression state equal the twin's bit for bit. A rank without a
+    gradient takes part with zeros, as in Horovod's optimizer, its state moving as for a zero
+    gradient; where no rank has one, the step does not exist for that parameter: no gradient,
+    no update, no state touched (the twin simply skips that step).
+
+    float16, bfloat16 and float64 gradients are fed values their dtype holds exactly, and the
+    kernels compute in float32 (float64 for float64) as they do for the twin, so a float16 or
+    bfloat16 result is the twin's rounded once to its dtype, bit for bit. Here the codecs run
+    without error feedback (its residual would be kept in the gradient's dtype, a different
+    computation from the second step on); efsignsgd and dgc, whose state is built in, are
+    compared on their first step only. float64 adds no rounding of its own but computes in
+    double where the twin rounds each operation to float32: within 4 float32 ulps of the
+    largest value (deterministic codecs, and the stochastic ones with these seeds). Under the
+    compressed allreduce a 16-bit gradient's chunk sums are rounded to its dtype before the
+    owners encode them again; the twin rounds them alike (owner_sums_rounded_to)."""
+    shape, dtype, layout = KINDS[kind]
+    low = kind in LOW_PRECISION
+    spec = _matrix_spec(codec, stateless=low, collective=collective)
+    steps = [0, 1, 2] if kind.startswith("no_grad") else [0, 1]
+    if low and hc.get_codec(codec).builtin_ef and codec != "powersgd":
+        steps = [0]
+    lacking = {"no_grad_on_rank_1": {(ABSENT_STEP, 1)},
+               "no_grad_anywhere": {(ABSENT_STEP, 0), (ABSENT_STEP, 1)}}.get(kind, set())
+    got, weights, state = _run_kind(spec, shape, dtype, layout, steps, lacking)
+    twin_steps = [s for s in steps if not (kind == "no_grad_anywhere" and s == ABSENT_STEP)]
+    if collective == "allreduce" and dtype in (torch.float16, torch.bfloat16):
+        from hvd_compress.torch.codec import TorchCodec
+        owner_sums_rounded_to(dtype, monkeypatch,
+                              (TorchCodec, lambda t, d: t.to(d).to(torch.float32)))
+    want, twin_weights, twin_state = _kind_twin(spec, kind, twin_steps)
+    if kind == "no_grad_anywhere":
+        assert got[ABSENT_STEP] is None  # no gradient: the optimizer leaves the weights alone
+        got = got[:ABSENT_STEP] + got[ABSENT_STEP + 1:]
+    assert len(got) == len(want)
+    for step, (g, w) in enumerate(zip(got, want)):
+        assert g.dtype == dtype and g.shape == w.shape, (step, g.dtype, g.shape)
+        if kind == "float64":
+            tol = 4 * float(np.finfo(np.float32).eps) * max(1.0, float(w.abs().max()))
+            torch.testing.assert_close(g.float(), w, rtol=0, atol=tol, msg=f"step {step}")
+        elif low:
+            assert torch.equal(g, w.to(dtype)), f"step {step}"
+        else:
+            assert same_bits(t2n(g), t2n(w)), f"step {step}"
+    if not low:
+        assert torch.equal(weights, twin_weights)
+        assert_same_state(state, twin_state)
+    assert same_on_all_ranks_t(weights)
+
+
+def same_on_all_ranks_t(t):
+    gathered = hvd.allgather(t.reshape(1, -1).float(), name="kind_param_check")
+    return torch.equal(gathered[0], gathered[1])
+
+
+@pytest.mark.parametrize("codec", [c.name for c in hc.codecs()])
+def test_every_codec_on_a_rank_outside_the_process_set(codec):
+    """Rank 1, outside the set, steps on its own gradient as with Horovod's optimizer."""
+    p = torch.nn.Parameter(torch.zeros(6, 100))
+    opt = hvdc.DistributedOptimizer(torch.optim.SGD([p], lr=0.5), named_parameters=[("w", p)],
+                                    compression=_matrix_spec(codec, False), process_set=FIRST,
+                                    min_compress_bytes=0)
+    for step in range(2):
+        opt.zero_grad()
+        g = _kind_grad((6, 100), torch.float32, step, RANK)
+        (p * g).sum().backward()
+        opt.synchronize()
+        assert bool(torch.isfinite(p.grad).all())
+        if RANK == 1:
+            assert torch.equal(p.grad, g)
+        with opt.skip_synchronize():
+            opt.step()
