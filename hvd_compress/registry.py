@@ -335,7 +335,7 @@ register(CodecInfo(
          "varies by rank and step",
     doc="every element above a fixed magnitude; payloads of any size, never empty (a header "
         "always travels)",
-    bits_per_element=lambda isz: 32 + 8 * isz, variable_size=True, frontends=("torch",),
+    bits_per_element=lambda isz: 32 + 8 * isz, variable_size=True,
     collective_note="variable-size payloads gathered back to back"))
 register(CodecInfo(
     name="dgc", kernel_id=12, collective="allgather", aggregation="mean",
@@ -355,7 +355,6 @@ register(CodecInfo(
     bits_per_element=lambda isz: 32 + 8 * isz, builtin_ef=True,
     state_slots=("dgc_velocity", "dgc_accumulator"), min_dim=2, replaces_momentum=True,
     server_codec="topk",
-    frontends=("torch",),
     rejects=(("momentum=nesterov", "DGC corrects momentum itself (momentum_factor); a second, "
               "worker-side momentum would apply it twice"),)))
 

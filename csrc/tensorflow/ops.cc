@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "hvdc/kernels.h"
 #include "tensorflow/core/framework/op.h"
@@ -72,6 +73,15 @@ tensorflow::Status read_params(Ctx* c, int* codec, hvdc::Params* p) {
   float clip = 2.5f;
   TF_RETURN_IF_ERROR(c->GetAttr("clip", &clip));
   p->clip = clip;
+  // TF's float attributes are 32-bit; these parameters reach the kernels as the doubles torch
+  // passes, so they travel as their IEEE-754 bits.
+  for (auto [name, field] : {std::pair<const char*, double*>{"threshold", &p->threshold},
+                             {"momentum_factor", &p->momentum_factor},
+                             {"clip_norm", &p->clip_norm}}) {
+    tensorflow::int64 bits = 0;
+    TF_RETURN_IF_ERROR(c->GetAttr(name, &bits));
+    std::memcpy(field, &bits, sizeof(double));
+  }
   p->k = k;
   p->chunk = chunk;
   p->s = s;
@@ -214,6 +224,31 @@ class AggregateOp : public CodecOp {
   tensorflow::int64 n_ = 0;
 };
 
+// Payloads of variable-size codecs (threshold) back to back: a 1-D allgather result.
+class AggregateConcatOp : public CodecOp {
+ public:
+  explicit AggregateConcatOp(OpKernelConstruction* ctx) : CodecOp(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("n", &n_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("ranks", &ranks_));
+  }
+  void Compute(OpKernelContext* ctx) override {
+    CodecTimer timer;
+    const Tensor& gathered = ctx->input(0);
+    OP_REQUIRES(ctx, gathered.dims() == 1,
+                tensorflow::errors::InvalidArgument("gathered payloads must be a uint8 vector"));
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({n_}), &out));
+    hvdc::DType d;
+    if (!dtype(ctx, *out, &d)) return;
+    const double alpha = ctx->input(1).scalar<double>()();
+    HVDC_TF_TRY(ctx, hvdc::aggregate(codec(), d, gathered.data(), ranks_, gathered.NumElements(),
+                                     n_, params_, out->data(), alpha));
+  }
+
+ private:
+  tensorflow::int64 n_ = 0, ranks_ = 1;
+};
+
 // Copies `in` into a new output tensor, for the functional state updates below.
 bool copy_to_output(OpKernelContext* ctx, int index, const Tensor& in, Tensor** out) {
   auto status = ctx->allocate_output(index, in.shape(), out);
@@ -250,6 +285,36 @@ class EfEncodeOp : public CodecOp {
                       carry.NumElements() ? carry_out->flat<float>().data() : nullptr,
                       x.NumElements(), p, payload->data());
     });
+  }
+};
+
+// Codecs that keep their own state (DGC's velocity and accumulator): state in, new state out.
+class EncodeWithStateOp : public CodecOp {
+ public:
+  using CodecOp::CodecOp;
+  void Compute(OpKernelContext* ctx) override {
+    CodecTimer timer;
+    const Tensor& x = ctx->input(0);
+    hvdc::DType d;
+    if (!dtype(ctx, x, &d)) return;
+    tensorflow::OpInputList state;
+    OP_REQUIRES_OK(ctx, ctx->input_list("state", &state));
+    tensorflow::OpOutputList state_out;
+    OP_REQUIRES_OK(ctx, ctx->output_list("state_out", &state_out));
+    const hvdc::Params p = params_for(ctx, 1 + state.size(), -1);
+    Tensor* payload = nullptr;
+    if (!payload_output(ctx, 0, d, x.NumElements(), p, &payload)) return;
+    std::vector<void*> ptrs;
+    for (int i = 0; i < state.size(); ++i) {
+      OP_REQUIRES(ctx, state[i].dtype() == x.dtype() && state[i].NumElements() == x.NumElements(),
+                  tensorflow::errors::InvalidArgument("codec state must match the gradient"));
+      Tensor* out = nullptr;
+      if (!copy_to_output(ctx, 1 + i, state[i], &out)) return;
+      ptrs.push_back(out->data());
+    }
+    HVDC_TF_TRY(ctx, hvdc::encode_with_state(codec(), d, x.data(), ptrs.data(),
+                                             static_cast<int64_t>(ptrs.size()), x.NumElements(),
+                                             p, payload->data()));
   }
 };
 
@@ -506,7 +571,10 @@ class CodecTimeOp : public OpKernel {
       .Attr("s: int = 8")                                     \
       .Attr("partition: int = 0")                             \
       .Attr("normalize: int = 0")                             \
-      .Attr("clip: float = 2.5")
+      .Attr("clip: float = 2.5")                              \
+      .Attr("threshold: int = 0")                             \
+      .Attr("momentum_factor: int = 0")                       \
+      .Attr("clip_norm: int = 0")
 
 REGISTER_OP("HvdcEncode")
     .Input("x: T")
@@ -537,6 +605,32 @@ REGISTER_OP("HvdcAggregate")
     .Attr("n: int")
     .HVDC_CODEC_ATTRS
     .SetShapeFn(vector_n);
+
+REGISTER_OP("HvdcAggregateConcat")
+    .Input("gathered: uint8")
+    .Input("alpha: float64")
+    .Output("out: T")
+    .Attr("T: {float, half, bfloat16, double}")
+    .Attr("n: int")
+    .Attr("ranks: int >= 1")
+    .HVDC_CODEC_ATTRS
+    .SetShapeFn(vector_n);
+
+REGISTER_OP("HvdcEncodeWithState")
+    .Input("x: T")
+    .Input("state: N * T")
+    .Input("step: int64")
+    .Output("payload: W")
+    .Output("state_out: N * T")
+    .Attr("T: {float, half, bfloat16, double}")
+    .Attr("W: {uint8}")
+    .Attr("N: int >= 1")
+    .HVDC_CODEC_ATTRS
+    .SetShapeFn([](InferenceContext* c) {
+      TF_RETURN_IF_ERROR(payload_shape(c));
+      for (int i = 1; i < c->num_outputs(); ++i) c->set_output(i, c->input(i));
+      return tensorflow::OkStatus();
+    });
 
 REGISTER_OP("HvdcEfEncode")
     .Input("x: T")
@@ -644,6 +738,10 @@ REGISTER_KERNEL_BUILDER(Name("HvdcEncode").Device(tensorflow::DEVICE_CPU), Encod
 REGISTER_KERNEL_BUILDER(Name("HvdcDecode").Device(tensorflow::DEVICE_CPU), DecodeOp);
 REGISTER_KERNEL_BUILDER(Name("HvdcAggregate").Device(tensorflow::DEVICE_CPU), AggregateOp);
 REGISTER_KERNEL_BUILDER(Name("HvdcEfEncode").Device(tensorflow::DEVICE_CPU), EfEncodeOp);
+REGISTER_KERNEL_BUILDER(Name("HvdcAggregateConcat").Device(tensorflow::DEVICE_CPU),
+                        AggregateConcatOp);
+REGISTER_KERNEL_BUILDER(Name("HvdcEncodeWithState").Device(tensorflow::DEVICE_CPU),
+                        EncodeWithStateOp);
 REGISTER_KERNEL_BUILDER(Name("HvdcEfSettle").Device(tensorflow::DEVICE_CPU), EfSettleOp);
 REGISTER_KERNEL_BUILDER(Name("HvdcNesterov").Device(tensorflow::DEVICE_CPU), NesterovOp);
 REGISTER_KERNEL_BUILDER(Name("HvdcHomoBlockAbsmax").Device(tensorflow::DEVICE_CPU),

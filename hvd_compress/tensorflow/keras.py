@@ -23,8 +23,8 @@ import horovod.tensorflow.keras as hvd_keras
 import tensorflow as tf
 
 from .ops import lib
-from .reducer import (DEFAULT_MIN_COMPRESS_BYTES, Reducer, attach, new_reducer,
-                      pop_horovod_arguments, to_config)
+from .reducer import (DEFAULT_MIN_COMPRESS_BYTES, Reducer, attach, drop_optimizer_momentum,
+                      new_reducer, pop_horovod_arguments, to_config)
 
 
 def DistributedOptimizer(optimizer, compression: Any = "none", op=hvd.Average,
@@ -43,6 +43,7 @@ def DistributedOptimizer(optimizer, compression: Any = "none", op=hvd.Average,
     pop_horovod_arguments(horovod_kwargs)
     reducer = new_reducer(compression, min_compress_bytes, op, process_set,
                           horovod_kwargs.get("sparse_as_dense", False))
+    drop_optimizer_momentum(optimizer, reducer.config)
     # Horovod's own, also when `python -m hvd_compress` has put ours in its place.
     opt = inspect.unwrap(hvd_keras.DistributedOptimizer)(
         optimizer, name=name, op=op, process_set=process_set, **horovod_kwargs)

@@ -5,6 +5,7 @@ keyed by variable name."""
 from __future__ import annotations
 
 import re
+import warnings
 from typing import Any
 
 import horovod.tensorflow as hvd
@@ -15,7 +16,7 @@ from ..compressor import CompressorBase
 from ..spec import CompressionConfig, parse_spec
 from ..state import StateStore
 from ..stats import CompressionStats
-from .codec import DTYPE_NAMES, TFAdapter, TFCodec
+from .codec import DTYPE_NAMES, TFAdapter, TFCodec, fields_step
 from .ops import lib
 
 DEFAULT_MIN_COMPRESS_BYTES = 65536
@@ -81,7 +82,7 @@ class Reducer:
         self.process_set = process_set
         self.sparse_as_dense = sparse_as_dense
         self.store = StateStore(TFAdapter(), spec=config.canonical())
-        self.codec = TFCodec(config, self.store, rank=self._rank())
+        self.codec = TFCodec(config, self.store, rank=self._rank(), world=self._world())
         self.stats = CompressionStats()
         self.enabled = tf.Variable(True, trainable=False, name="hvdc_compression_enabled")
         # A traced step never returns to Python: steps are counted in the graph.
@@ -96,6 +97,9 @@ class Reducer:
 
     def _rank(self) -> int:
         return self.process_set.rank() if self.process_set.included() else 0
+
+    def _world(self) -> int:
+        return self.process_set.size() if self.process_set.included() else 1
 
     # Nothing here branches on a tensor's value (tf.cond is explicit), and autograph would
     # otherwise transpile every function the plans call, seconds per trace.
@@ -179,7 +183,7 @@ class Reducer:
         carry over by name; callers retrace any tf.function that reduces gradients."""
         self.codec.settle()
         self.config = config
-        self.codec = TFCodec(config, self.store, rank=self._rank())
+        self.codec = TFCodec(config, self.store, rank=self._rank(), world=self._world())
         self.store.spec = config.canonical()
 
     def _plain(self, grad, opname):
@@ -196,8 +200,10 @@ class Reducer:
             # As [1, bytes] rows, Horovod refuses ranks whose payload sizes differ.
             t = tf.reshape(request.tensor, [1, -1]) if request.rows else request.tensor
             return hvd.allgather(t, name=request.name, process_set=ps)
-        received, _ = hvd.alltoall(request.tensor, splits=tf.constant(request.splits, tf.int32),
-                                   name=request.name, process_set=ps)
+        # Variable-size payloads (threshold) have sizes known only in the graph.
+        splits = tf.stack([tf.cast(s, tf.int32) for s in request.splits])
+        received, _ = hvd.alltoall(request.tensor, splits=splits, name=request.name,
+                                   process_set=ps)
         return received
 
     def _reduce_one(self, grad, name: str):
@@ -207,7 +213,7 @@ class Reducer:
         nbytes = (grad.shape.num_elements() or 0) * grad.dtype.size
         if (isinstance(grad, tf.IndexedSlices) or self.config.codec == "none"
                 or grad.dtype not in DTYPE_NAMES or grad.shape.num_elements() is None
-                or nbytes < self.min_bytes):
+                or nbytes < self.min_bytes or grad.shape.rank < self.codec.info.min_dim):
             if not isinstance(grad, tf.IndexedSlices):
                 self.stats.record(name, "none", nbytes, nbytes, collectives.ALLREDUCE,
                                   _ring_allreduce_bytes(nbytes, self.process_set.size()))
@@ -215,19 +221,32 @@ class Reducer:
 
         def compressed():
             info, ps = self.codec.info, self.process_set
-            # Only seeded codecs read the step (the homomorphic strategy rounds stochastically
-            # whatever the codec), so only they keep a counter variable.
-            seeded = info.uses_seed or collectives.HOMOMORPHIC in info.strategies
-            step = self.store.next_step(name) if seeded else tf.constant(0, tf.int64)
+            # Only codecs that read the step keep a counter variable: seeded ones (and the
+            # homomorphic strategy, which rounds stochastically whatever the codec), and those
+            # whose kernel fields change with the step (DGC's warm-up).
+            counted = (info.uses_seed or collectives.HOMOMORPHIC in info.strategies
+                       or self.config.stepwise)
+            step = self.store.next_step(name) if counted else tf.constant(0, tf.int64)
             job = collectives.Job(name=name, n=grad.shape.num_elements(),
                                   itemsize=grad.dtype.size, config=self.config,
                                   rank=self._rank(), world=ps.size(),
                                   average=self.op == hvd.Average, opname=opname, step=step,
+                                  fields_step=fields_step(self.config, step),
                                   nodes=self.nodes, extra={"grad": grad})
             collectives.choose(job)
+            capacity = job.wire_bytes
             reduced = collectives.run_now(collectives.plan(job, self.codec), self._perform)
-            self.stats.record(name, info.name, nbytes, job.payload_bytes, job.strategy,
-                              job.wire_bytes)
+            sent, wire = job.payload_bytes, job.wire_bytes
+            if isinstance(sent, tf.Tensor):
+                # Variable-size payloads: the bytes of this step where it runs eagerly; a traced
+                # step is recorded once, by the capacity the cost model counts.
+                if tf.executing_eagerly():
+                    sent, wire = int(sent), float(wire)
+                else:
+                    sent = info.payload_bytes(job.itemsize, job.n,
+                                              collectives.whole(job).field_dict)
+                    wire = capacity
+            self.stats.record(name, info.name, nbytes, sent, job.strategy, wire)
             return reduced
 
         # CompressionScheduleCallback flips `enabled`; every rank takes the same branch.
@@ -265,6 +284,22 @@ def new_reducer(compression: Any, min_compress_bytes: int, op, process_set,
     if process_set.included() and process_set.size() > 1:
         check_ranks_agree(config, min_compress_bytes, process_set)
     return reducer
+
+
+def drop_optimizer_momentum(optimizer, config: CompressionConfig) -> None:
+    """A codec that applies momentum itself (DGC's momentum correction) or momentum=nesterov
+    would have it applied twice by an optimizer with its own: that one is set to 0 with a
+    warning, as the torch optimizer does (Keras: `momentum`, tf.compat.v1's
+    MomentumOptimizer: `_momentum`)."""
+    if not (config.momentum == "nesterov" or config.info.replaces_momentum):
+        return
+    what = config.codec if config.info.replaces_momentum else "momentum=nesterov"
+    for attr in ("momentum", "_momentum"):
+        value = getattr(optimizer, attr, 0)
+        if isinstance(value, (int, float)) and value:
+            warnings.warn(f"{what} in the compression spec replaces the optimizer's own "
+                          f"momentum ({value}); setting it to 0")
+            setattr(optimizer, attr, 0.0)
 
 
 def attach(opt, reducer: Reducer):
