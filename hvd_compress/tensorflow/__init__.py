@@ -68,7 +68,7 @@ class _CompressedTape(tf.GradientTape):
 
     @property
     def compression_stats(self):
-        return self._hvdc_reducer.stats
+        return self._hvdc_reducer.refresh_stats()
 
     def compression_report(self) -> dict:
         return self._hvdc_reducer.compression_report()

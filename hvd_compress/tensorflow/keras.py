@@ -129,6 +129,7 @@ class CompressionStatsCallback(tf.keras.callbacks.Callback):
         if logs is None:
             return
         reducer = _reducer_of(self.model)
+        reducer.refresh_stats()
         compressing = bool(reducer.enabled.numpy())
         raw = sum(t.raw_bytes for t in reducer.stats.tensors.values())
         sent = sum(t.sent_bytes if compressing else t.raw_bytes

@@ -90,6 +90,8 @@ class Reducer:
         with tf.init_scope():  # the codec clock is read eagerly even when built in a trace
             self._codec_ns = int(lib.hvdc_codec_time().numpy())
         self._writer = None
+        # name -> [sent bytes, wire bytes] of a variable-size payload, written by traced steps
+        self._measured: dict[str, tf.Variable] = {}
         self.nodes, self.groups = None, {None: process_set}
         if config.hierarchical:
             self.nodes, local, cross = node_process_sets(process_set)
@@ -145,9 +147,18 @@ class Reducer:
                 roll_back)
         store.commit()
 
+    def refresh_stats(self) -> CompressionStats:
+        """The statistics, with the last traced step's bytes of variable-size payloads."""
+        for name, measured in self._measured.items():
+            sent, wire = measured.numpy().tolist()
+            t = self.stats.tensors[name]
+            t.sent_bytes, t.wire_bytes = int(sent), wire
+        return self.stats
+
     def compression_report(self) -> dict:
         """Bytes per step, ratio and codec-kernel time since this reducer was built, with the
         per-tensor statistics (what `python -m hvd_compress` prints and writes)."""
+        self.refresh_stats()
         return stats.report(self.stats, str(self.config), int(self.steps.numpy()),
                             int(lib.hvdc_codec_time().numpy()) - self._codec_ns,
                             compressing=bool(self.enabled.numpy()))
@@ -164,8 +175,12 @@ class Reducer:
     def _write_step(self, reduced, names):
         tensors = [self.stats.tensors[n] for n in names if n in self.stats.tensors]
         raw = tf.constant(sum(t.raw_bytes for t in tensors), tf.float64)
-        sent = tf.where(self.enabled, tf.constant(sum(t.sent_bytes for t in tensors), tf.float64),
-                        raw)
+        known = [t for n, t in zip(names, tensors) if n not in self._measured]
+        sent = tf.constant(sum(t.sent_bytes for t in known), tf.float64)
+        for n in names:
+            if n in self._measured:
+                sent += self._measured[n][0]
+        sent = tf.where(self.enabled, sent, raw)
         # The clock is read once this step's codec ops have run.
         with tf.control_dependencies([t for t in reduced if isinstance(t, tf.Tensor)]):
             now = lib.hvdc_codec_time()
@@ -239,10 +254,17 @@ class Reducer:
             sent, wire = job.payload_bytes, job.wire_bytes
             if isinstance(sent, tf.Tensor):
                 # Variable-size payloads: the bytes of this step where it runs eagerly; a traced
-                # step is recorded once, by the capacity the cost model counts.
+                # step writes them to a variable that refresh_stats() reads, and is recorded by
+                # the capacity the cost model counts until then.
                 if tf.executing_eagerly():
                     sent, wire = int(sent), float(wire)
                 else:
+                    if name not in self._measured:
+                        with tf.init_scope():
+                            self._measured[name] = tf.Variable(
+                                tf.zeros([2], tf.float64), trainable=False)
+                    self._measured[name].assign(tf.stack([tf.cast(sent, tf.float64),
+                                                          tf.cast(wire, tf.float64)]))
                     sent = info.payload_bytes(job.itemsize, job.n,
                                               collectives.whole(job).field_dict)
                     wire = capacity
