@@ -67,9 +67,10 @@ class PowerSGDState:
 
 def initial_q(seed: int, name: str, step: int, rank: int, cols: int,
               dtype: torch.dtype) -> torch.Tensor:
-    """Qt (rank x cols) drawn from (seed, name, step): identical on every rank, no broadcast."""
-    g = torch.Generator().manual_seed(derive_seed(seed, name, step) & 0x7FFFFFFFFFFFFFFF)
-    return torch.randn(rank, cols, generator=g, dtype=torch.float64).to(dtype)
+    """Qt (rank x cols) of standard normals drawn from (seed, name, step) by a kernel rather than
+    torch's generator: identical on every rank and in any frontend, no broadcast."""
+    return _C.powersgd_initial_q(derive_seed(seed, name, step), rank, cols,
+                                 dtype == torch.float64)
 
 
 class PowerSGDReduction:
