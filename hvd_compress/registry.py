@@ -57,7 +57,6 @@ class CodecInfo:
     state_slots: per-parameter state tensors the kernel updates itself (DGC), kept in the store.
     min_dim: tensors with fewer dimensions travel uncompressed (DGC compresses weights only).
     replaces_momentum: the codec applies momentum itself; the optimizer's is turned off.
-    frontends: where the codec runs.
     strategies: the collective strategies (hvd_compress.collectives) its payloads can travel
     by; `collective=auto` picks among them per tensor by the bytes each rank sends.
     server_codec: what the owner of a chunk re-encodes its chunk's sum with under the compressed
@@ -98,7 +97,6 @@ class CodecInfo:
     state_slots: tuple[str, ...] = ()
     min_dim: int = 0
     replaces_momentum: bool = False
-    frontends: tuple[str, ...] = ("torch", "tensorflow")
     strategies: tuple[str, ...] = ()
     server_codec: str | None = None
     homomorphic_levels: Callable[[dict], int | None] | None = None  # of the kernel fields
@@ -382,7 +380,7 @@ register(CodecInfo(
     wire="P (rows x rank) then Q (cols x rank), float32 (float64 for float64 gradients)",
     doc="PowerSGD (Vogels et al. 2019): rank-r power iteration, P and Q allreduced in two rounds, "
         "error feedback and warm start; 1-D and weakly compressible tensors go uncompressed",
-    bits_per_element=lambda isz: 0.0, builtin_ef=False, uses_seed=True, frontends=("torch",),
+    bits_per_element=lambda isz: 0.0, builtin_ef=False, uses_seed=True,
     rounds=2,
     collective_note="two allreduces per step, P then Q",
     rejects=(("ef=vanilla", "PowerSGD keeps its own residual (error_feedback=true, the "
@@ -403,8 +401,6 @@ def codec_table() -> str:
         params = ", ".join(f"`{p.name}` ({p.default!r})" for p in c.params) or "-"
         if c.builtin_ef:
             params += "; error feedback built in"
-        if c.frontends != ("torch", "tensorflow"):
-            params += "; PyTorch only"
         if c.uses_seed:
             params += "; uses `seed`" + (" (per rank)" if c.seed_per_rank else "")
         if c.rounds == 2:

@@ -14,7 +14,7 @@ import tensorflow as tf
 
 from ..collectives import (ALLREDUCE, COMPRESSED_ALLREDUCE, Job, Part, carry_kind, carry_parts,
                            chunk_bounds)
-from ..registry import CodecInfo, codecs
+from ..registry import CodecInfo
 from ..seeds import seed_base, seed_name
 from ..spec import CompressionConfig
 from ..state import StateStore
@@ -98,10 +98,6 @@ class _Residual:
 class TFCodec:
     def __init__(self, config: CompressionConfig, store: StateStore | None, rank: int = 0,
                  world: int = 1):
-        if "tensorflow" not in config.info.frontends:
-            raise ValueError(f"codec {config.codec!r} is available in the PyTorch frontend only; "
-                             f"TensorFlow codecs: " + ", ".join(
-                                 c.name for c in codecs() if "tensorflow" in c.frontends))
         self.config = config
         self.info = config.info
         self.store = store
@@ -471,12 +467,12 @@ class TFAdapter:
         return np.array(t.numpy())
 
     def from_numpy(self, a: np.ndarray, like):
-        value = tf.cast(tf.constant(a), like.dtype)
         if isinstance(like, tf.Variable):
-            like.assign(value)
+            like.assign(tf.cast(tf.constant(a), like.dtype))
             return like
+        # A checkpointed slot first used inside a trace: its value is made where it is kept.
         with tf.init_scope():
-            return tf.Variable(value, trainable=False)
+            return tf.Variable(tf.cast(tf.constant(a), like.dtype), trainable=False)
 
     def new_counter(self, value: int) -> tf.Variable:
         with tf.init_scope():

@@ -18,6 +18,7 @@ from ..state import StateStore
 from ..stats import CompressionStats
 from .codec import DTYPE_NAMES, TFAdapter, TFCodec, fields_step
 from .ops import lib
+from .powersgd import PowerSGDReduction
 
 DEFAULT_MIN_COMPRESS_BYTES = 65536
 _OP_NAME = re.compile(r"[^A-Za-z0-9_.\-/]")
@@ -83,6 +84,7 @@ class Reducer:
         self.sparse_as_dense = sparse_as_dense
         self.store = StateStore(TFAdapter(), spec=config.canonical())
         self.codec = TFCodec(config, self.store, rank=self._rank(), world=self._world())
+        self.powersgd = self._powersgd(config)
         self.stats = CompressionStats()
         self.enabled = tf.Variable(True, trainable=False, name="hvdc_compression_enabled")
         # A traced step never returns to Python: steps are counted in the graph.
@@ -103,6 +105,13 @@ class Reducer:
     def _world(self) -> int:
         return self.process_set.size() if self.process_set.included() else 1
 
+    def _powersgd(self, config: CompressionConfig) -> PowerSGDReduction | None:
+        """Two-round codecs run their own pipeline over all of a step's gradients."""
+        if config.info.rounds != 2:
+            return None
+        return PowerSGDReduction(config, self.store, self.process_set,
+                                 average=self.op == hvd.Average)
+
     # Nothing here branches on a tensor's value (tf.cond is explicit), and autograph would
     # otherwise transpile every function the plans call, seconds per trace.
     @tf.autograph.experimental.do_not_convert
@@ -117,7 +126,10 @@ class Reducer:
         names = names or [parameter_name(v, i) for i, v in enumerate(variables)]
         self.store.begin()
         try:
-            reduced = [self._reduce_one(g, name) for g, name in zip(grads, names)]
+            if self.powersgd is not None:
+                reduced = self._reduce_powersgd(grads, names)
+            else:
+                reduced = [self._reduce_one(g, name) for g, name in zip(grads, names)]
         except BaseException:
             self.store.rollback()
             raise
@@ -199,6 +211,7 @@ class Reducer:
         self.codec.settle()
         self.config = config
         self.codec = TFCodec(config, self.store, rank=self._rank(), world=self._world())
+        self.powersgd = self._powersgd(config)
         self.store.spec = config.canonical()
 
     def _plain(self, grad, opname):
@@ -221,17 +234,64 @@ class Reducer:
                                    process_set=ps)
         return received
 
-    def _reduce_one(self, grad, name: str):
-        if grad is None:
-            return None
-        opname = "hvdc." + _OP_NAME.sub("_", name)
+    def _kept_plain(self, grad, name: str, opname: str) -> bool:
+        """Whether the gradient travels uncompressed whatever the codec (recorded so)."""
         nbytes = (grad.shape.num_elements() or 0) * grad.dtype.size
         if (isinstance(grad, tf.IndexedSlices) or self.config.codec == "none"
                 or grad.dtype not in DTYPE_NAMES or grad.shape.num_elements() is None
                 or nbytes < self.min_bytes or grad.shape.rank < self.codec.info.min_dim):
             if not isinstance(grad, tf.IndexedSlices):
-                self.stats.record(name, "none", nbytes, nbytes, collectives.ALLREDUCE,
-                                  _ring_allreduce_bytes(nbytes, self.process_set.size()))
+                self._record_plain(name, grad)
+            return True
+        return False
+
+    def _record_plain(self, name: str, grad) -> None:
+        nbytes = grad.shape.num_elements() * grad.dtype.size
+        self.stats.record(name, "none", nbytes, nbytes, collectives.ALLREDUCE,
+                          _ring_allreduce_bytes(nbytes, self.process_set.size()))
+
+    def _reduce_powersgd(self, grads, names) -> list:
+        out, items = [None] * len(grads), []
+        for i, (grad, name) in enumerate(zip(grads, names)):
+            if grad is None:
+                continue
+            opname = "hvdc." + _OP_NAME.sub("_", name)
+            if self._kept_plain(grad, name, opname):
+                out[i] = self._plain(grad, opname)
+            else:
+                items.append((name, opname, grad))
+        if not items:
+            return out
+
+        def record(name, grad, sent_elements):
+            if sent_elements is None:
+                self._record_plain(name, grad)
+                return
+            nbytes = grad.shape.num_elements() * grad.dtype.size
+            sent = sent_elements * (8 if grad.dtype == tf.float64 else 4)
+            self.stats.record(name, "powersgd", nbytes, sent, collectives.ALLREDUCE,
+                              _ring_allreduce_bytes(sent, self.process_set.size()))
+
+        # CompressionScheduleCallback flips `enabled`; every rank takes the same branch.
+        reduced = tf.cond(
+            self.enabled, lambda: self._by_name(self.powersgd.reduce(items, self._plain, record),
+                                                items),
+            lambda: [self._plain(grad, opname + ".off") for _, opname, grad in items])
+        position = {name: i for i, name in enumerate(names)}
+        for (name, _, _), g in zip(items, reduced):
+            out[position[name]] = g
+        return out
+
+    @staticmethod
+    def _by_name(reduced: dict, items: list) -> list:
+        return [reduced[name] for name, _, _ in items]
+
+    def _reduce_one(self, grad, name: str):
+        if grad is None:
+            return None
+        opname = "hvdc." + _OP_NAME.sub("_", name)
+        nbytes = (grad.shape.num_elements() or 0) * grad.dtype.size
+        if self._kept_plain(grad, name, opname):
             return self._plain(grad, opname)
 
         def compressed():

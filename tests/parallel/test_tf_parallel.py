@@ -14,7 +14,7 @@ import pytest
 import tensorflow as tf
 
 from helpers import same_bits, tensorboard_scalars, two_rank_marker
-from simulation import Simulation, grads_for_step
+from simulation import PowerSGDSimulation, Simulation, grads_for_step
 import hvd_compress as hc
 import hvd_compress.tensorflow as hvdt
 import hvd_compress.tensorflow.keras as hvdk
@@ -148,6 +148,86 @@ def test_dgc_turns_the_optimizers_own_momentum_off():
     assert v1._momentum == 0
 
 
+POWERSGD = [("powersgd,rank=1,start_iter=0", "float32", 1e-4),
+            ("powersgd,rank=2,start_iter=2,seed=5", "float64", 1e-10),
+            ("powersgd,rank=3,start_iter=0,error_feedback=false", "float64", 1e-10),
+            ("powersgd,rank=2,start_iter=0,warm_start=false,orthogonalization_epsilon=1e-8",
+             "float64", 1e-10)]
+POWERSGD_SHAPES = [(40, 6, 5), (70,), (3, 4)]
+
+
+def powersgd_run(spec, dtype, graph, steps=5, reducer=None, start=0, shapes=POWERSGD_SHAPES):
+    """Parameters p0, p1, ... of these shapes (the torch test's by default) reduced by a reducer
+    for `steps` steps; returns the reduced gradients of every step and the reducer."""
+    variables = [tf.Variable(tf.zeros(s, TF_DTYPES[dtype]), name=f"p{i}")
+                 for i, s in enumerate(shapes)]
+    reducer = reducer or hvdt.Reducer(hc.parse_spec(spec), 0, hvd.Average, hvd.global_process_set)
+    fn = (tf.function(lambda gs: reducer.reduce(gs, variables)) if graph
+          else (lambda gs: reducer.reduce(gs, variables)))
+    rng = np.random.default_rng(0)
+    out = []
+    for step in range(start + steps):
+        grads = [[rng.standard_normal(s) for _ in range(WORLD)] for s in shapes]
+        if step < start:
+            continue
+        got = fn([tf.constant(g[RANK], TF_DTYPES[dtype]) for g in grads])
+        out.append((grads, [np.asarray(g.numpy()) for g in got]))
+    return out, reducer
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "function"])
+@pytest.mark.parametrize("spec,dtype,tol", POWERSGD)
+def test_powersgd_equals_simulation(spec, dtype, tol, graph):
+    """The torch test's cases (same names, shapes, seeds and simulation): start_iter, error
+    feedback, warm start, rank; 1-D and weakly compressible tensors uncompressed."""
+    sims = [PowerSGDSimulation(spec, f"p{i}", WORLD) for i in range(len(POWERSGD_SHAPES))]
+    steps, reducer = powersgd_run(spec, dtype, graph)
+    for grads, got in steps:
+        for g, sim, gs in zip(got, sims, grads):
+            np.testing.assert_allclose(g.astype(np.float64).reshape(gs[0].shape[0], -1),
+                                       sim(gs), rtol=tol, atol=tol)
+    codecs = {n: t.codec for n, t in reducer.stats.tensors.items()}
+    assert codecs == {"p0": "powersgd", "p1": "none", "p2": "none"}
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "function"])
+def test_powersgd_batches_and_checkpoints_change_no_bit(graph, monkeypatch):
+    """batch_same_shape changes how P and Q travel (one allreduce per shape and round), not
+    the arithmetic; a reducer loading the state mid-run carries on as the uninterrupted one."""
+    import hvd_compress.tensorflow.powersgd as tf_powersgd
+    spec = "powersgd,rank=2,start_iter=1"
+    shapes = [(20, 12), (12, 20), (20, 12), (70,), (12, 20), (20, 12)]
+    want, full = powersgd_run(spec, "float64", graph, steps=4, shapes=shapes)
+    sent = []
+    allreduce = tf_powersgd.hvd.allreduce
+
+    def recording(t, **kwargs):
+        sent.append((kwargs["name"], tuple(t.shape)))
+        return allreduce(t, **kwargs)
+
+    monkeypatch.setattr(tf_powersgd.hvd, "allreduce", recording)
+    batched, _ = powersgd_run(spec + ",batch_same_shape=true", "float64", graph, steps=4,
+                              shapes=shapes)
+    monkeypatch.undo()
+    for (_, a), (_, b) in zip(want, batched):
+        assert all(same_bits(x, y) for x, y in zip(a, b))
+    assert sorted({x for x in sent if ".powersgd_" in x[0]}) == [
+                                 ("hvdc.p0_and_2.powersgd_p", (3, 20, 2)),
+                                 ("hvdc.p0_and_2.powersgd_q", (3, 2, 12)),
+                                 ("hvdc.p1_and_1.powersgd_p", (2, 12, 2)),
+                                 ("hvdc.p1_and_1.powersgd_q", (2, 2, 20))]
+    first, half = powersgd_run(spec, "float64", graph, steps=2, shapes=shapes)
+    again = hvdt.Reducer(hc.parse_spec(spec), 0, hvd.Average, hvd.global_process_set)
+    again.load_state_dict(half.state_dict())
+    rest, _ = powersgd_run(spec, "float64", graph, steps=2, reducer=again, start=2,
+                           shapes=shapes)
+    for (_, a), (_, b) in zip(want, first + rest):
+        assert all(same_bits(x, y) for x, y in zip(a, b))
+    state = full.state_dict()
+    assert set(state["slots"]["p0"]) == {"ef", "powersgd_qt"}
+    assert state["slots"]["p0"]["ef"].shape == (20, 12) and state["steps"]["p0"] == 4
+
+
 def digits_data():
     from sklearn.datasets import load_digits
     d = load_digits()
@@ -197,8 +277,9 @@ def test_keras_fit_reaches_uncompressed_loss(spec):
     assert ratios[0] == 1.0 and ratios[-1] > 1.5  # plain for epoch 0, compressed after
 
 
-@pytest.mark.parametrize("spec", ["dgc,k=0.05", "threshold,threshold=0.01,ef=vanilla"])
-def test_keras_fit_with_dgc_and_threshold_reaches_uncompressed_loss(spec):
+@pytest.mark.parametrize("spec", ["dgc,k=0.05", "threshold,threshold=0.01,ef=vanilla",
+                                  "powersgd,rank=4,start_iter=10"])
+def test_keras_fit_with_dgc_threshold_and_powersgd_reaches_uncompressed_loss(spec):
     if "none" not in _baseline:
         _baseline["none"] = fit("none")[3]
     model, opt, history, loss = fit(spec, start_epoch=1)

@@ -7,8 +7,10 @@ import torch
 
 from helpers import random_grad
 import hvd_compress as hc
+from hvd_compress.seeds import seed_base
 from hvd_compress.tensorflow import Compression
-from hvd_compress.tensorflow.codec import TFAdapter, TFCodec
+from hvd_compress.tensorflow.codec import TFAdapter, TFCodec, _signed64
+from hvd_compress.torch import _C
 from hvd_compress.torch.codec import TorchAdapter, TorchCodec
 
 TF_DTYPES = {"float32": tf.float32, "float16": tf.float16, "bfloat16": tf.bfloat16,
@@ -155,8 +157,39 @@ def test_tf_bad_inputs():
         topk.aggregate(bad, enc, 0.5)
 
 
-@pytest.mark.parametrize("codec", ["powersgd"])
-def test_torch_only_codecs_are_refused_with_the_valid_choices(codec):
-    with pytest.raises(ValueError, match=f"codec '{codec}' is available in the PyTorch frontend "
-                                         f"only; TensorFlow codecs: none, fp16"):
-        TFCodec(hc.parse_spec(codec), None)
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
+def test_powersgd_ops_are_the_torch_kernels(dtype):
+    """Every PowerSGD pass as a TF op gives the torch binding's bytes, on a batch of two."""
+    from hvd_compress.tensorflow.ops import lib
+    f64 = dtype == "float64"
+    ftf, fth = (tf.float64, torch.float64) if f64 else (tf.float32, torch.float32)
+    rows, cols, r = 9, 7, 2
+    gs = [random_grad(rows * cols, dtype, seed=s).view(rows, cols) for s in range(2)]
+    es = [random_grad(rows * cols, dtype, seed=10 + s).view(rows, cols) for s in range(2)]
+    qt_th = torch.stack([_C.powersgd_initial_q(hc.derive_seed(4, f"w{i}", 3), r, cols, f64)
+                         for i in range(2)])
+    qt_tf = tf.stack([lib.hvdc_powersgd_initial_q(tf.constant(3, tf.int64), F=ftf, r=r, cols=cols,
+                                                  seed_base=_signed64(seed_base(4, f"w{i}")))
+                      for i in range(2)])
+    assert tf_bytes(qt_tf) == torch_bytes(qt_th)
+    p_tf, m_tf = lib.hvdc_powersgd_project([to_tf(g, dtype) for g in gs],
+                                           [to_tf(e, dtype) for e in es], qt_tf)
+    m_th = [e.clone() for e in es]
+    p_th = torch.empty(2, rows, r, dtype=fth)
+    _C.powersgd_project(gs, m_th, True, qt_th, p_th)
+    assert tf_bytes(p_tf) == torch_bytes(p_th)
+    assert [tf_bytes(m) for m in m_tf] == [torch_bytes(m) for m in m_th]
+    p_tf = lib.hvdc_powersgd_orthogonalize(p_tf, tf.constant(1e-8, tf.float64))
+    _C.powersgd_orthogonalize(p_th, 1e-8)
+    assert tf_bytes(p_tf) == torch_bytes(p_th)
+    q_tf = lib.hvdc_powersgd_back_project(m_tf, p_tf)
+    q_th = torch.empty(2, r, cols, dtype=fth)
+    _C.powersgd_back_project(m_th, p_th, q_th)
+    assert tf_bytes(q_tf) == torch_bytes(q_th)
+    for subtract, alpha in [(True, 1.0), (False, 0.5)]:
+        out_tf = lib.hvdc_powersgd_reconstruct(m_tf, p_tf, q_tf, tf.constant(alpha, tf.float64),
+                                               subtract=subtract)
+        out_th = [m.clone() for m in m_th]
+        _C.powersgd_reconstruct(p_th, q_th, out_th, alpha, subtract)
+        assert [tf_bytes(o) for o in out_tf] == [torch_bytes(o) for o in out_th], subtract
+
