@@ -234,7 +234,7 @@ class Reducer:
                                    process_set=ps)
         return received
 
-    def _kept_plain(self, grad, name: str, opname: str) -> bool:
+    def _kept_plain(self, grad, name: str) -> bool:
         """Whether the gradient travels uncompressed whatever the codec (recorded so)."""
         nbytes = (grad.shape.num_elements() or 0) * grad.dtype.size
         if (isinstance(grad, tf.IndexedSlices) or self.config.codec == "none"
@@ -256,7 +256,7 @@ class Reducer:
             if grad is None:
                 continue
             opname = "hvdc." + _OP_NAME.sub("_", name)
-            if self._kept_plain(grad, name, opname):
+            if self._kept_plain(grad, name):
                 out[i] = self._plain(grad, opname)
             else:
                 items.append((name, opname, grad))
@@ -291,7 +291,7 @@ class Reducer:
             return None
         opname = "hvdc." + _OP_NAME.sub("_", name)
         nbytes = (grad.shape.num_elements() or 0) * grad.dtype.size
-        if self._kept_plain(grad, name, opname):
+        if self._kept_plain(grad, name):
             return self._plain(grad, opname)
 
         def compressed():
