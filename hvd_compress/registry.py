@@ -57,7 +57,6 @@ class CodecInfo:
     state_slots: per-parameter state tensors the kernel updates itself (DGC), kept in the store.
     min_dim: tensors with fewer dimensions travel uncompressed (DGC compresses weights only).
     replaces_momentum: the codec applies momentum itself; the optimizer's is turned off.
-    frontends: where the codec runs.
     strategies: the collective strategies (hvd_compress.collectives) its payloads can travel
     by; `collective=auto` picks among them per tensor by the bytes each rank sends.
     server_codec: what the owner of a chunk re-encodes its chunk's sum with under the compressed
@@ -99,7 +98,6 @@ class CodecInfo:
     scale_free_slots: tuple[str, ...] = ()  # state not in gradient units (loss scaling)
     min_dim: int = 0
     replaces_momentum: bool = False
-    frontends: tuple[str, ...] = ("torch", "tensorflow")
     strategies: tuple[str, ...] = ()
     server_codec: str | None = None
     homomorphic_levels: Callable[[dict], int | None] | None = None  # of the kernel fields
@@ -336,7 +334,7 @@ register(CodecInfo(
          "varies by rank and step",
     doc="every element above a fixed magnitude; payloads of any size, never empty (a header "
         "always travels)",
-    bits_per_element=lambda isz: 32 + 8 * isz, variable_size=True, frontends=("torch",),
+    bits_per_element=lambda isz: 32 + 8 * isz, variable_size=True,
     collective_note="variable-size payloads gathered back to back"))
 register(CodecInfo(
     name="dgc", kernel_id=12, collective="allgather", aggregation="mean",
@@ -356,7 +354,6 @@ register(CodecInfo(
     bits_per_element=lambda isz: 32 + 8 * isz, builtin_ef=True,
     state_slots=("dgc_velocity", "dgc_accumulator"), min_dim=2, replaces_momentum=True,
     server_codec="topk",
-    frontends=("torch",),
     rejects=(("momentum=nesterov", "DGC corrects momentum itself (momentum_factor); a second, "
               "worker-side momentum would apply it twice"),)))
 
@@ -384,7 +381,7 @@ register(CodecInfo(
     wire="P (rows x rank) then Q (cols x rank), float32 (float64 for float64 gradients)",
     doc="PowerSGD (Vogels et al. 2019): rank-r power iteration, P and Q allreduced in two rounds, "
         "error feedback and warm start; 1-D and weakly compressible tensors go uncompressed",
-    bits_per_element=lambda isz: 0.0, builtin_ef=False, uses_seed=True, frontends=("torch",),
+    bits_per_element=lambda isz: 0.0, builtin_ef=False, uses_seed=True,
     rounds=2, scale_free_slots=("powersgd_qt",),
     collective_note="two allreduces per step, P then Q",
     rejects=(("ef=vanilla", "PowerSGD keeps its own residual (error_feedback=true, the "
@@ -405,8 +402,6 @@ def codec_table() -> str:
         params = ", ".join(f"`{p.name}` ({p.default!r})" for p in c.params) or "-"
         if c.builtin_ef:
             params += "; error feedback built in"
-        if c.frontends != ("torch", "tensorflow"):
-            params += "; PyTorch only"
         if c.uses_seed:
             params += "; uses `seed`" + (" (per rank)" if c.seed_per_rank else "")
         if c.rounds == 2:

@@ -55,6 +55,11 @@ class CompressionConfig:
         fields.update(self.info.fixed)
         return fields
 
+    @property
+    def stepwise(self) -> bool:
+        """Whether the kernel fields change from step to step (DGC's warm-up shrinks k)."""
+        return self.param_dict.get("warmup_steps", 0) > 0
+
     def canonical(self) -> str:
         """The spec as a string with every default spelled out; equal configs, equal strings."""
         items = [self.codec] + [f"{k}={_fmt(v)}" for k, v in self.params]

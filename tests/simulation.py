@@ -4,8 +4,10 @@ import numpy as np
 
 import numpy_ref as ref
 from helpers import random_grad, t2n
+from hvd_compress.torch import _C
 import hvd_compress as hc
 from hvd_compress import collectives as col
+from hvd_compress.powersgd import PowerSGDState
 
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
@@ -192,6 +194,46 @@ class TwoLevelSimulation:
                 shards.append(ref.from_acc(acc * A(1.0 / self.per_node), self.dtype))
             out.append(sim(shards) if self.encoded else self._leg(sim(shards)))
         return np.concatenate(out)
+
+
+class PowerSGDSimulation:
+    """Both ranks' PowerSGD steps in float64 numpy (the kernels sum in a different order, so
+    results are compared with a tolerance)."""
+
+    def __init__(self, spec, name, world):
+        self.cfg = hc.parse_spec(spec)
+        self.st = PowerSGDState.from_config(self.cfg)
+        self.name, self.world = name, world
+        self.e = None
+        self.qt = None
+        self.step = 0
+
+    def __call__(self, grads):
+        st, step = self.st, self.step
+        self.step += 1
+        mats = [g.reshape(g.shape[0], -1).astype(np.float64) for g in grads]
+        if step < st.start_iter or not st.compresses(grads[0].shape):
+            return sum(mats) / self.world
+        rows, cols = mats[0].shape
+        if self.e is None:
+            self.e = [np.zeros_like(m) for m in mats]
+        if self.qt is None or not st.warm_start:
+            # the kernel both frontends draw the first Q with
+            self.qt = _C.powersgd_initial_q(hc.derive_seed(st.seed, self.name, step), st.rank,
+                                            cols, True).numpy()
+        if st.error_feedback:
+            mats = [m + e for m, e in zip(mats, self.e)]
+        p = sum(m @ self.qt.T for m in mats)
+        for c in range(st.rank):
+            p[:, c] /= np.linalg.norm(p[:, c]) + st.orthogonalization_epsilon
+            for c2 in range(c + 1, st.rank):
+                p[:, c2] -= (p[:, c] @ p[:, c2]) * p[:, c]
+        qs = [m.T @ p for m in mats]
+        if st.error_feedback:
+            self.e = [m - p @ q.T for m, q in zip(mats, qs)]
+        q = sum(qs) / self.world
+        self.qt = q.T.copy()
+        return p @ q.T
 
 
 def rank_sum(arrays):

@@ -64,6 +64,26 @@ void powersgd_project(DType d, const void* g, void* e, bool ef, int64_t rows, in
   });
 }
 
+void powersgd_initial_q(DType d, uint64_t seed, int64_t r, int64_t cols, void* qt) {
+  check_shape(0, cols, r);
+  if (d != kF32 && d != kF64)
+    throw KernelError("powersgd: factors are float32 or float64, got dtype " + std::to_string(d));
+  constexpr uint64_t kGolden = 0x9e3779b97f4a7c15ull;
+  constexpr double kTwoPi = 6.283185307179586;
+  for (int64_t i = 0; i < r * cols; ++i) {
+    const uint64_t pair = static_cast<uint64_t>(i / 2);
+    const double u1 = (static_cast<double>(mix64(seed + (2 * pair + 1) * kGolden) >> 11) + 1.0) *
+                      0x1p-53;  // (0, 1]: the logarithm stays finite
+    const double u2 = static_cast<double>(mix64(seed + (2 * pair + 2) * kGolden) >> 11) * 0x1p-53;
+    const double radius = std::sqrt(-2.0 * std::log(u1));
+    const double v = radius * (i % 2 ? std::sin(kTwoPi * u2) : std::cos(kTwoPi * u2));
+    if (d == kF64)
+      static_cast<double*>(qt)[i] = v;
+    else
+      static_cast<float*>(qt)[i] = static_cast<float>(v);
+  }
+}
+
 void powersgd_orthogonalize(DType d, void* p, int64_t rows, int64_t r, double eps) {
   check_shape(rows, 1, r);
   dispatch_factors(d, [&](auto*, auto* atag) {

@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "hvdc/kernels.h"
 #include "tensorflow/core/framework/op.h"
@@ -72,6 +73,15 @@ tensorflow::Status read_params(Ctx* c, int* codec, hvdc::Params* p) {
   float clip = 2.5f;
   TF_RETURN_IF_ERROR(c->GetAttr("clip", &clip));
   p->clip = clip;
+  // TF's float attributes are 32-bit; these parameters reach the kernels as the doubles torch
+  // passes, so they travel as their IEEE-754 bits.
+  for (auto [name, field] : {std::pair<const char*, double*>{"threshold", &p->threshold},
+                             {"momentum_factor", &p->momentum_factor},
+                             {"clip_norm", &p->clip_norm}}) {
+    tensorflow::int64 bits = 0;
+    TF_RETURN_IF_ERROR(c->GetAttr(name, &bits));
+    std::memcpy(field, &bits, sizeof(double));
+  }
   p->k = k;
   p->chunk = chunk;
   p->s = s;
@@ -214,6 +224,31 @@ class AggregateOp : public CodecOp {
   tensorflow::int64 n_ = 0;
 };
 
+// Payloads of variable-size codecs (threshold) back to back: a 1-D allgather result.
+class AggregateConcatOp : public CodecOp {
+ public:
+  explicit AggregateConcatOp(OpKernelConstruction* ctx) : CodecOp(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("n", &n_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("ranks", &ranks_));
+  }
+  void Compute(OpKernelContext* ctx) override {
+    CodecTimer timer;
+    const Tensor& gathered = ctx->input(0);
+    OP_REQUIRES(ctx, gathered.dims() == 1,
+                tensorflow::errors::InvalidArgument("gathered payloads must be a uint8 vector"));
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({n_}), &out));
+    hvdc::DType d;
+    if (!dtype(ctx, *out, &d)) return;
+    const double alpha = ctx->input(1).scalar<double>()();
+    HVDC_TF_TRY(ctx, hvdc::aggregate(codec(), d, gathered.data(), ranks_, gathered.NumElements(),
+                                     n_, params_, out->data(), alpha));
+  }
+
+ private:
+  tensorflow::int64 n_ = 0, ranks_ = 1;
+};
+
 // Copies `in` into a new output tensor, for the functional state updates below.
 bool copy_to_output(OpKernelContext* ctx, int index, const Tensor& in, Tensor** out) {
   auto status = ctx->allocate_output(index, in.shape(), out);
@@ -250,6 +285,36 @@ class EfEncodeOp : public CodecOp {
                       carry.NumElements() ? carry_out->flat<float>().data() : nullptr,
                       x.NumElements(), p, payload->data());
     });
+  }
+};
+
+// Codecs that keep their own state (DGC's velocity and accumulator): state in, new state out.
+class EncodeWithStateOp : public CodecOp {
+ public:
+  using CodecOp::CodecOp;
+  void Compute(OpKernelContext* ctx) override {
+    CodecTimer timer;
+    const Tensor& x = ctx->input(0);
+    hvdc::DType d;
+    if (!dtype(ctx, x, &d)) return;
+    tensorflow::OpInputList state;
+    OP_REQUIRES_OK(ctx, ctx->input_list("state", &state));
+    tensorflow::OpOutputList state_out;
+    OP_REQUIRES_OK(ctx, ctx->output_list("state_out", &state_out));
+    const hvdc::Params p = params_for(ctx, 1 + state.size(), -1);
+    Tensor* payload = nullptr;
+    if (!payload_output(ctx, 0, d, x.NumElements(), p, &payload)) return;
+    std::vector<void*> ptrs;
+    for (int i = 0; i < state.size(); ++i) {
+      OP_REQUIRES(ctx, state[i].dtype() == x.dtype() && state[i].NumElements() == x.NumElements(),
+                  tensorflow::errors::InvalidArgument("codec state must match the gradient"));
+      Tensor* out = nullptr;
+      if (!copy_to_output(ctx, 1 + i, state[i], &out)) return;
+      ptrs.push_back(out->data());
+    }
+    HVDC_TF_TRY(ctx, hvdc::encode_with_state(codec(), d, x.data(), ptrs.data(),
+                                             static_cast<int64_t>(ptrs.size()), x.NumElements(),
+                                             p, payload->data()));
   }
 };
 
@@ -413,6 +478,182 @@ class HomoDecodeOp : public HomoOp {
   tensorflow::int64 n_ = 0, levels_ = 0, lane_ranks_ = 0, summands_ = 0;
 };
 
+// PowerSGD (hvdc/kernels.h): B same-shape matrices [rows, cols] as a list, their factors stacked,
+// P [B, rows, r] and Qt [B, r, cols] in the accumulator type F (float64 for float64 matrices,
+// else float32). Functional: residuals and factors in, new ones out.
+class PowerSGDOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+
+ protected:
+  // The batch's shared shape; fails the op unless every matrix has it and the factors match.
+  bool batch_shape(OpKernelContext* ctx, const tensorflow::OpInputList& ms, int64_t* rows,
+                   int64_t* cols, hvdc::DType* d) {
+    const Tensor& m0 = ms[0];
+    if (m0.dims() != 2 || !to_hvdc(m0.dtype(), d)) {
+      ctx->CtxFailure(__FILE__, __LINE__, tensorflow::errors::InvalidArgument(
+                                              "PowerSGD matrices must be 2-D float tensors"));
+      return false;
+    }
+    for (int i = 1; i < ms.size(); ++i)
+      if (ms[i].shape() != m0.shape()) {
+        ctx->CtxFailure(__FILE__, __LINE__, tensorflow::errors::InvalidArgument(
+                                                "the matrices of a PowerSGD batch must share "
+                                                "their shape"));
+        return false;
+      }
+    *rows = m0.dim_size(0);
+    *cols = m0.dim_size(1);
+    return true;
+  }
+
+  static hvdc::DType factor_type(hvdc::DType d) { return d == hvdc::kF64 ? hvdc::kF64 : hvdc::kF32; }
+
+  static char* slice(Tensor* t, int64_t b) {
+    return static_cast<char*>(t->data()) + b * (t->TotalBytes() / t->dim_size(0));
+  }
+  static const char* slice(const Tensor& t, int64_t b) {
+    return static_cast<const char*>(t.data()) + b * (t.TotalBytes() / t.dim_size(0));
+  }
+};
+
+class PowerSGDInitialQOp : public OpKernel {
+ public:
+  explicit PowerSGDInitialQOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    tensorflow::int64 base = 0;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("seed_base", &base));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("r", &r_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("cols", &cols_));
+    seed_base_ = static_cast<uint64_t>(base);
+  }
+  void Compute(OpKernelContext* ctx) override {
+    CodecTimer timer;
+    Tensor* qt = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({r_, cols_}), &qt));
+    const uint64_t seed = hvdc::step_seed(seed_base_, ctx->input(0).scalar<tensorflow::int64>()());
+    HVDC_TF_TRY(ctx, hvdc::powersgd_initial_q(qt->dtype() == tensorflow::DT_DOUBLE ? hvdc::kF64
+                                                                                    : hvdc::kF32,
+                                              seed, r_, cols_, qt->data()));
+  }
+
+ private:
+  tensorflow::int64 r_ = 1, cols_ = 0;
+  uint64_t seed_base_ = 0;
+};
+
+class PowerSGDProjectOp : public PowerSGDOp {
+ public:
+  using PowerSGDOp::PowerSGDOp;
+  void Compute(OpKernelContext* ctx) override {
+    CodecTimer timer;
+    tensorflow::OpInputList ms, es;
+    OP_REQUIRES_OK(ctx, ctx->input_list("m", &ms));
+    OP_REQUIRES_OK(ctx, ctx->input_list("e", &es));
+    const Tensor& qt = ctx->input(ms.size() + es.size());
+    int64_t rows, cols;
+    hvdc::DType d;
+    if (!batch_shape(ctx, ms, &rows, &cols, &d)) return;
+    const int64_t b = ms.size(), r = qt.dims() == 3 ? qt.dim_size(1) : 0;
+    OP_REQUIRES(ctx, qt.dims() == 3 && qt.dim_size(0) == b && qt.dim_size(2) == cols,
+                tensorflow::errors::InvalidArgument("Qt must be [batch, r, cols]"));
+    OP_REQUIRES(ctx, es.size() == 0 || es.size() == b,
+                tensorflow::errors::InvalidArgument("one residual per matrix, or none"));
+    tensorflow::OpOutputList e_out;
+    OP_REQUIRES_OK(ctx, ctx->output_list("e_out", &e_out));
+    Tensor* p = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({b, rows, r}), &p));
+    const bool ef = es.size() > 0;
+    for (int64_t i = 0; i < b; ++i) {
+      Tensor* e = nullptr;
+      if (ef) {
+        OP_REQUIRES(ctx, es[i].shape() == ms[i].shape(),
+                    tensorflow::errors::InvalidArgument("residual must match its matrix"));
+        if (!copy_to_output(ctx, 1 + i, es[i], &e)) return;
+      }
+      HVDC_TF_TRY(ctx, hvdc::powersgd_project(d, ms[i].data(), ef ? e->data() : nullptr, ef, rows,
+                                              cols, slice(qt, i), r, slice(p, i)));
+    }
+  }
+};
+
+class PowerSGDOrthogonalizeOp : public PowerSGDOp {
+ public:
+  using PowerSGDOp::PowerSGDOp;
+  void Compute(OpKernelContext* ctx) override {
+    CodecTimer timer;
+    const Tensor& p = ctx->input(0);
+    OP_REQUIRES(ctx, p.dims() == 3, tensorflow::errors::InvalidArgument("P must be [batch, rows, r]"));
+    Tensor* out = nullptr;
+    if (!copy_to_output(ctx, 0, p, &out)) return;
+    const double eps = ctx->input(1).scalar<double>()();
+    const hvdc::DType d = p.dtype() == tensorflow::DT_DOUBLE ? hvdc::kF64 : hvdc::kF32;
+    for (int64_t i = 0; i < p.dim_size(0); ++i)
+      HVDC_TF_TRY(ctx, hvdc::powersgd_orthogonalize(d, slice(out, i), p.dim_size(1), p.dim_size(2),
+                                                    eps));
+  }
+};
+
+class PowerSGDBackProjectOp : public PowerSGDOp {
+ public:
+  using PowerSGDOp::PowerSGDOp;
+  void Compute(OpKernelContext* ctx) override {
+    CodecTimer timer;
+    tensorflow::OpInputList ms;
+    OP_REQUIRES_OK(ctx, ctx->input_list("m", &ms));
+    const Tensor& p = ctx->input(ms.size());
+    int64_t rows, cols;
+    hvdc::DType d;
+    if (!batch_shape(ctx, ms, &rows, &cols, &d)) return;
+    const int64_t b = ms.size();
+    OP_REQUIRES(ctx, p.dims() == 3 && p.dim_size(0) == b && p.dim_size(1) == rows,
+                tensorflow::errors::InvalidArgument("P must be [batch, rows, r]"));
+    const int64_t r = p.dim_size(2);
+    Tensor* qt = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({b, r, cols}), &qt));
+    for (int64_t i = 0; i < b; ++i)
+      HVDC_TF_TRY(ctx, hvdc::powersgd_back_project(d, ms[i].data(), rows, cols, slice(p, i), r,
+                                                   slice(qt, i)));
+  }
+};
+
+// subtract: out_i = base_i - P_i Q_i^T (the residual); else out_i = alpha * P_i Q_i^T.
+class PowerSGDReconstructOp : public PowerSGDOp {
+ public:
+  explicit PowerSGDReconstructOp(OpKernelConstruction* ctx) : PowerSGDOp(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("subtract", &subtract_));
+  }
+  void Compute(OpKernelContext* ctx) override {
+    CodecTimer timer;
+    tensorflow::OpInputList base;
+    OP_REQUIRES_OK(ctx, ctx->input_list("base", &base));
+    const Tensor& p = ctx->input(base.size());
+    const Tensor& qt = ctx->input(base.size() + 1);
+    const double alpha = ctx->input(base.size() + 2).scalar<double>()();
+    int64_t rows, cols;
+    hvdc::DType d;
+    if (!batch_shape(ctx, base, &rows, &cols, &d)) return;
+    const int64_t b = base.size();
+    OP_REQUIRES(ctx, p.dims() == 3 && qt.dims() == 3 && p.dim_size(0) == b &&
+                         qt.dim_size(0) == b && p.dim_size(1) == rows && qt.dim_size(2) == cols &&
+                         p.dim_size(2) == qt.dim_size(1),
+                tensorflow::errors::InvalidArgument("P [batch, rows, r] and Qt [batch, r, cols] "
+                                                    "must match the matrices"));
+    for (int64_t i = 0; i < b; ++i) {
+      Tensor* out = nullptr;
+      if (subtract_) {
+        if (!copy_to_output(ctx, i, base[i], &out)) return;
+      } else {
+        OP_REQUIRES_OK(ctx, ctx->allocate_output(i, base[i].shape(), &out));
+      }
+      HVDC_TF_TRY(ctx, hvdc::powersgd_reconstruct(d, slice(p, i), slice(qt, i), rows, cols,
+                                                  p.dim_size(2), out->data(), alpha, subtract_));
+    }
+  }
+
+ private:
+  bool subtract_ = false;
+};
+
 // Number of elements of input 0 when its shape is known, else -1.
 int64_t known_elements(InferenceContext* c) {
   auto x = c->input(0);
@@ -506,7 +747,10 @@ class CodecTimeOp : public OpKernel {
       .Attr("s: int = 8")                                     \
       .Attr("partition: int = 0")                             \
       .Attr("normalize: int = 0")                             \
-      .Attr("clip: float = 2.5")
+      .Attr("clip: float = 2.5")                              \
+      .Attr("threshold: int = 0")                             \
+      .Attr("momentum_factor: int = 0")                       \
+      .Attr("clip_norm: int = 0")
 
 REGISTER_OP("HvdcEncode")
     .Input("x: T")
@@ -537,6 +781,32 @@ REGISTER_OP("HvdcAggregate")
     .Attr("n: int")
     .HVDC_CODEC_ATTRS
     .SetShapeFn(vector_n);
+
+REGISTER_OP("HvdcAggregateConcat")
+    .Input("gathered: uint8")
+    .Input("alpha: float64")
+    .Output("out: T")
+    .Attr("T: {float, half, bfloat16, double}")
+    .Attr("n: int")
+    .Attr("ranks: int >= 1")
+    .HVDC_CODEC_ATTRS
+    .SetShapeFn(vector_n);
+
+REGISTER_OP("HvdcEncodeWithState")
+    .Input("x: T")
+    .Input("state: N * T")
+    .Input("step: int64")
+    .Output("payload: W")
+    .Output("state_out: N * T")
+    .Attr("T: {float, half, bfloat16, double}")
+    .Attr("W: {uint8}")
+    .Attr("N: int >= 1")
+    .HVDC_CODEC_ATTRS
+    .SetShapeFn([](InferenceContext* c) {
+      TF_RETURN_IF_ERROR(payload_shape(c));
+      for (int i = 1; i < c->num_outputs(); ++i) c->set_output(i, c->input(i));
+      return tensorflow::OkStatus();
+    });
 
 REGISTER_OP("HvdcEfEncode")
     .Input("x: T")
@@ -631,6 +901,84 @@ REGISTER_OP("HvdcHomoDecode")
       return vector_n(c);
     });
 
+REGISTER_OP("HvdcPowersgdInitialQ")
+    .Input("step: int64")
+    .Output("qt: F")
+    .Attr("F: {float, double}")
+    .Attr("seed_base: int")
+    .Attr("r: int >= 1")
+    .Attr("cols: int >= 0")
+    .SetShapeFn([](InferenceContext* c) {
+      tensorflow::int64 r, cols;
+      TF_RETURN_IF_ERROR(c->GetAttr("r", &r));
+      TF_RETURN_IF_ERROR(c->GetAttr("cols", &cols));
+      c->set_output(0, c->Matrix(r, cols));
+      return tensorflow::OkStatus();
+    });
+
+REGISTER_OP("HvdcPowersgdProject")
+    .Input("m: N * T")
+    .Input("e: E * T")
+    .Input("qt: F")
+    .Output("p: F")
+    .Output("e_out: E * T")
+    .Attr("T: {float, half, bfloat16, double}")
+    .Attr("F: {float, double}")
+    .Attr("N: int >= 1")
+    .Attr("E: int >= 0")
+    .SetShapeFn([](InferenceContext* c) {
+      int n = 0, e = 0;
+      TF_RETURN_IF_ERROR(c->GetAttr("N", &n));
+      TF_RETURN_IF_ERROR(c->GetAttr("E", &e));
+      auto qt = c->input(n + e);
+      c->set_output(0, c->MakeShape({c->MakeDim(n), c->Dim(c->input(0), 0),
+                                     c->Dim(qt, 1)}));
+      for (int i = 0; i < e; ++i) c->set_output(1 + i, c->input(n + i));
+      return tensorflow::OkStatus();
+    });
+
+REGISTER_OP("HvdcPowersgdOrthogonalize")
+    .Input("p: F")
+    .Input("eps: float64")
+    .Output("p_out: F")
+    .Attr("F: {float, double}")
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->input(0));
+      return tensorflow::OkStatus();
+    });
+
+REGISTER_OP("HvdcPowersgdBackProject")
+    .Input("m: N * T")
+    .Input("p: F")
+    .Output("qt: F")
+    .Attr("T: {float, half, bfloat16, double}")
+    .Attr("F: {float, double}")
+    .Attr("N: int >= 1")
+    .SetShapeFn([](InferenceContext* c) {
+      int n = 0;
+      TF_RETURN_IF_ERROR(c->GetAttr("N", &n));
+      c->set_output(0, c->MakeShape({c->MakeDim(n), c->Dim(c->input(n), 2),
+                                     c->Dim(c->input(0), 1)}));
+      return tensorflow::OkStatus();
+    });
+
+REGISTER_OP("HvdcPowersgdReconstruct")
+    .Input("base: N * T")
+    .Input("p: F")
+    .Input("qt: F")
+    .Input("alpha: float64")
+    .Output("out: N * T")
+    .Attr("T: {float, half, bfloat16, double}")
+    .Attr("F: {float, double}")
+    .Attr("N: int >= 1")
+    .Attr("subtract: bool")
+    .SetShapeFn([](InferenceContext* c) {
+      int n = 0;
+      TF_RETURN_IF_ERROR(c->GetAttr("N", &n));
+      for (int i = 0; i < n; ++i) c->set_output(i, c->input(i));
+      return tensorflow::OkStatus();
+    });
+
 REGISTER_OP("HvdcCodecTime")
     .Output("nanoseconds: int64")
     .SetIsStateful()
@@ -644,8 +992,22 @@ REGISTER_KERNEL_BUILDER(Name("HvdcEncode").Device(tensorflow::DEVICE_CPU), Encod
 REGISTER_KERNEL_BUILDER(Name("HvdcDecode").Device(tensorflow::DEVICE_CPU), DecodeOp);
 REGISTER_KERNEL_BUILDER(Name("HvdcAggregate").Device(tensorflow::DEVICE_CPU), AggregateOp);
 REGISTER_KERNEL_BUILDER(Name("HvdcEfEncode").Device(tensorflow::DEVICE_CPU), EfEncodeOp);
+REGISTER_KERNEL_BUILDER(Name("HvdcAggregateConcat").Device(tensorflow::DEVICE_CPU),
+                        AggregateConcatOp);
+REGISTER_KERNEL_BUILDER(Name("HvdcEncodeWithState").Device(tensorflow::DEVICE_CPU),
+                        EncodeWithStateOp);
 REGISTER_KERNEL_BUILDER(Name("HvdcEfSettle").Device(tensorflow::DEVICE_CPU), EfSettleOp);
 REGISTER_KERNEL_BUILDER(Name("HvdcNesterov").Device(tensorflow::DEVICE_CPU), NesterovOp);
+REGISTER_KERNEL_BUILDER(Name("HvdcPowersgdInitialQ").Device(tensorflow::DEVICE_CPU),
+                        PowerSGDInitialQOp);
+REGISTER_KERNEL_BUILDER(Name("HvdcPowersgdProject").Device(tensorflow::DEVICE_CPU),
+                        PowerSGDProjectOp);
+REGISTER_KERNEL_BUILDER(Name("HvdcPowersgdOrthogonalize").Device(tensorflow::DEVICE_CPU),
+                        PowerSGDOrthogonalizeOp);
+REGISTER_KERNEL_BUILDER(Name("HvdcPowersgdBackProject").Device(tensorflow::DEVICE_CPU),
+                        PowerSGDBackProjectOp);
+REGISTER_KERNEL_BUILDER(Name("HvdcPowersgdReconstruct").Device(tensorflow::DEVICE_CPU),
+                        PowerSGDReconstructOp);
 REGISTER_KERNEL_BUILDER(Name("HvdcHomoBlockAbsmax").Device(tensorflow::DEVICE_CPU),
                         HomoBlockAbsmaxOp);
 REGISTER_KERNEL_BUILDER(Name("HvdcHomoEncode").Device(tensorflow::DEVICE_CPU), HomoEncodeOp);

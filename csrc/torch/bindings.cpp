@@ -294,6 +294,13 @@ void powersgd_project(const std::vector<at::Tensor>& gs, std::vector<at::Tensor>
                            qt.select(0, b).data_ptr(), r, p.select(0, b).data_ptr());
 }
 
+// A CPU tensor: drawn once per matrix, copied to the gradient's device by the caller.
+at::Tensor powersgd_initial_q(uint64_t seed, int64_t r, int64_t cols, bool f64) {
+  auto qt = at::empty({r, cols}, at::dtype(f64 ? at::kDouble : at::kFloat));
+  hvdc::powersgd_initial_q(f64 ? hvdc::kF64 : hvdc::kF32, seed, r, cols, qt.data_ptr());
+  return qt;
+}
+
 void powersgd_orthogonalize(at::Tensor& p, double eps) {
   const Where w = where_of(p, "P");
   HVDC_GUARD(w);
@@ -545,6 +552,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("ef_carry_size", &ef_carry_size);
   m.def("aggregate_concat", &aggregate_concat, G());
   m.def("powersgd_project", &powersgd_project, G());
+  m.def("powersgd_initial_q", &powersgd_initial_q, G());
   m.def("powersgd_orthogonalize", &powersgd_orthogonalize, G());
   m.def("powersgd_back_project", &powersgd_back_project, G());
   m.def("powersgd_reconstruct", &powersgd_reconstruct, G());

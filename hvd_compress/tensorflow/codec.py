@@ -6,6 +6,7 @@ and keep updating state on every call.
 """
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -13,7 +14,7 @@ import tensorflow as tf
 
 from ..collectives import (ALLREDUCE, COMPRESSED_ALLREDUCE, Job, Part, carry_kind, carry_parts,
                            chunk_bounds)
-from ..registry import CodecInfo, codecs
+from ..registry import CodecInfo
 from ..seeds import seed_base, seed_name
 from ..spec import CompressionConfig
 from ..state import StateStore
@@ -25,6 +26,30 @@ DTYPE_NAMES = {tf.float32: "float32", tf.float16: "float16", tf.bfloat16: "bfloa
 
 def _signed64(u: int) -> int:
     return u - (1 << 64) if u >= (1 << 63) else u
+
+
+# Kernel fields the kernels take as doubles: TF's float attributes are 32-bit, so the ops take
+# their IEEE-754 bits (csrc/tensorflow/ops.cc read_params), and float64 gradients see the same
+# threshold and momentum factor as in torch.
+_DOUBLE_FIELDS = ("threshold", "momentum_factor", "clip_norm")
+
+
+def _double_bits(v: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", float(v)))[0]
+
+
+def fields_step(config: CompressionConfig, step) -> int:
+    """The step that kernel fields are computed from (DGC's warm-up), as a Python int: the
+    counter's value when running eagerly. A traced function runs one graph for every step, so
+    fields that change with the step cannot be traced."""
+    if not config.stepwise:
+        return 0
+    if not tf.executing_eagerly():
+        raise ValueError(f"{config.codec}: warmup_steps changes k, and so the payload size, at "
+                         f"every step, which one traced tf.function cannot do; run the warm-up "
+                         f"eagerly (Keras: model.compile(..., run_eagerly=True)) or schedule "
+                         f"the density with CompressionScheduleCallback(warmup=...)")
+    return int(step)
 
 
 def check_gradient(t, what: str = "gradient") -> int:
@@ -46,6 +71,15 @@ class Encoded:
     shape: tf.TensorShape
     dtype: tf.DType
     wire: tf.DType
+
+
+@dataclass
+class _CodecState:
+    """A tensor's codec state (DGC's velocity and accumulator) while a plan encodes its parts:
+    each variable read once and written once in finish(), as _Residual."""
+    variables: list
+    parts: dict  # (start, stop) -> [each variable's elements there, as read]
+    pieces: list = field(default_factory=list)  # per part, the new values of every variable
 
 
 @dataclass
@@ -71,27 +105,22 @@ def _decode(payload, step, alpha, dtype, n: int, attrs: dict):
 
 
 class TFCodec:
-    """Variable-size codecs (threshold) run in the torch frontend only, so the plans never ask
-    this codec to walk() gathered payloads."""
-
-    def __init__(self, config: CompressionConfig, store: StateStore | None, rank: int = 0):
-        if "tensorflow" not in config.info.frontends:
-            raise ValueError(f"codec {config.codec!r} is available in the PyTorch frontend only; "
-                             f"TensorFlow codecs: " + ", ".join(
-                                 c.name for c in codecs() if "tensorflow" in c.frontends))
+    def __init__(self, config: CompressionConfig, store: StateStore | None, rank: int = 0,
+                 world: int = 1):
         self.config = config
         self.info = config.info
         self.store = store
-        self.rank = rank
+        self.rank, self.world = rank, world
 
-    def attrs(self, name: str, n: int) -> dict:
+    def attrs(self, name: str, n: int, step: int = 0) -> dict:
         """Op attributes (see CompressionConfig.kernel_fields)."""
         return self._attrs(self.info, seed_name(name, self.rank, self.info.seed_per_rank),
-                           self.config.kernel_fields(n))
+                           self.config.kernel_fields(n, step))
 
     def _attrs(self, info: CodecInfo, seed_key: str, fields: dict) -> dict:
         # The op derives each step's seed from seed_base and its step input, as derive_seed does.
         base = _signed64(seed_base(self.config.seed, seed_key)) if info.uses_seed else 0
+        fields = {k: _double_bits(v) if k in _DOUBLE_FIELDS else v for k, v in fields.items()}
         return {"codec": info.kernel_id, "seed_base": base, **fields}
 
     def wire_dtype(self, dtype: tf.DType) -> tf.DType:
@@ -102,16 +131,22 @@ class TFCodec:
     def encode(self, name: str, grad, *, prescale: float = 1.0) -> Encoded:
         cfg, info = self.config, self.info
         n = check_gradient(grad)
-        attrs = self.attrs(name, n)
         wire = self.wire_dtype(grad.dtype)
         flat = tf.reshape(grad, [-1])
-        if info.uses_seed and self.store is not None:
+        if (info.uses_seed or cfg.stepwise) and self.store is not None:
             step = tf.cast(self.store.next_step(name), tf.int64)
         else:
             step = tf.constant(0, tf.int64)
+        attrs = self.attrs(name, n, fields_step(cfg, step))
         pres = tf.constant(prescale, tf.float64)
         flat = self._momentum(name, grad, flat)
-        if cfg.ef == "vanilla":
+        if info.state_slots:  # the codec's own state stands in for error feedback
+            slots = [self._slot(name, kind, grad) for kind in info.state_slots]
+            payload, new = lib.hvdc_encode_with_state(flat, [tf.reshape(v, [-1]) for v in slots],
+                                                       step, W=wire, **attrs)
+            for v, t in zip(slots, new):
+                v.assign(tf.reshape(t, grad.shape))
+        elif cfg.ef == "vanilla":
             e = self._slot(name, "ef", grad)
             carry = self._carry(name)
             payload, e_new, c_new = lib.hvdc_ef_encode(flat, tf.reshape(e, [-1]), carry, step, pres,
@@ -123,7 +158,9 @@ class TFCodec:
             payload = lib.hvdc_encode(flat, step, pres, W=wire, **attrs)
         if info.samples:
             payload = self.mark_nonfinite(None, flat, payload)
-        if not info.linear:
+        if info.variable_size:  # 1-D: Horovod gathers payloads of any length back to back
+            payload = self.filled(payload, info, grad.dtype.size)
+        elif not info.linear:
             payload = tf.reshape(payload, [1, -1])
         return Encoded(payload, step, attrs, n, grad.shape, grad.dtype, wire)
 
@@ -157,9 +194,28 @@ class TFCodec:
         return tf.reshape(out, enc.shape)
 
     def aggregate(self, gathered, enc: Encoded, alpha: float):
-        out = lib.hvdc_aggregate(gathered, tf.constant(alpha, tf.float64), T=enc.dtype, n=enc.n,
-                                 **enc.attrs)
+        """Reduce the [ranks, bytes] allgather result of a non-linear codec (variable-size
+        payloads: every rank's, back to back)."""
+        alpha = tf.constant(alpha, tf.float64)
+        if self.info.variable_size:
+            out = lib.hvdc_aggregate_concat(gathered, alpha, T=enc.dtype, n=enc.n, ranks=self.world,
+                                            **enc.attrs)
+        else:
+            out = lib.hvdc_aggregate(gathered, alpha, T=enc.dtype, n=enc.n, **enc.attrs)
         return tf.reshape(out, enc.shape)
+
+    @staticmethod
+    def filled(payload, info: CodecInfo, itemsize: int):
+        """A variable-size payload cut to what its header says was filled (the op allocates the
+        capacity), as torch's encoded_bytes cut."""
+        return payload[:TFCodec._payload_size(payload, 0, info, itemsize)]
+
+    @staticmethod
+    def _payload_size(payloads, offset, info: CodecInfo, itemsize: int):
+        """Bytes of the variable-size payload at `offset`, from the count in its header
+        ([u32 tag][u32 count]...) and the registry's size formula, as int64 tensors."""
+        count = tf.bitcast(payloads[offset + 4:offset + 8], tf.uint32)
+        return info.payload_bytes(itemsize, tf.cast(count, tf.int64), {})
 
     def settle(self) -> None:
         """Lazily kept residuals to their plain form (see csrc ef_settle)."""
@@ -188,11 +244,19 @@ class TFCodec:
         return self._momentum(job.name, grad, tf.reshape(grad, [-1]))
 
     def encode_part(self, job: Job, x, part: Part, info: CodecInfo, state: str | None):
+        payload = self._encode_part(job, x, part, info, state)
+        if info.variable_size:
+            payload = self.filled(payload, info, job.itemsize)
+        return payload
+
+    def _encode_part(self, job: Job, x, part: Part, info: CodecInfo, state: str | None):
         attrs = self._part_attrs(part, info)
         # Horovod sums an allreduced payload in its element type; every other collective only
         # moves bytes, so the op writes them as bytes.
         wire = self.wire_dtype(x.dtype) if job.strategy == ALLREDUCE else tf.uint8
         pres = self._scalar(job, job.extra.get("prescale", 1.0))
+        if state == "worker" and info.state_slots:
+            return self._worker_state_encode(job, x, part, info, attrs)
         if state == "worker" and self.config.ef == "vanilla":
             return self._worker_ef_encode(job, x, part, info, attrs, wire, pres)
         if state == "owner" and self.config.ef == "vanilla":
@@ -204,6 +268,25 @@ class TFCodec:
             e.assign(e_new)
             return payload
         return lib.hvdc_encode(x, job.step, pres, W=wire, **attrs)
+
+    def _chunk_bounds(self, job: Job) -> list[int]:
+        """Where a plan cuts the tensor into the parts it encodes."""
+        return chunk_bounds(job.n, job.world if job.strategy == COMPRESSED_ALLREDUCE else 1)
+
+    def _worker_state_encode(self, job: Job, x, part: Part, info: CodecInfo, attrs: dict):
+        held = job.extra.get("codec_state")
+        if held is None:
+            grad = job.extra["grad"]
+            variables = [self._slot(job.name, kind, grad) for kind in info.state_slots]
+            bounds = self._chunk_bounds(job)
+            cuts = [tf.split(tf.reshape(v, [-1]), np.diff(bounds).tolist()) for v in variables]
+            held = job.extra["codec_state"] = _CodecState(
+                variables, {(a, b): [c[j] for c in cuts]
+                            for j, (a, b) in enumerate(zip(bounds, bounds[1:]))})
+        payload, new = lib.hvdc_encode_with_state(x, held.parts[part.start, part.stop], job.step,
+                                                   W=tf.uint8, **attrs)
+        held.pieces.append(new)
+        return payload
 
     @staticmethod
     def mark_nonfinite(job: Job | None, x, payload):
@@ -219,8 +302,8 @@ class TFCodec:
         if res is None:
             var = self._slot(job.name, "ef", job.extra["grad"])
             # Cut at the chunk bounds by one op rather than a slice (and its constants) per part.
-            parts = job.world if job.strategy == COMPRESSED_ALLREDUCE else 1
-            bounds = chunk_bounds(job.n, parts)
+            bounds = self._chunk_bounds(job)
+            parts = len(bounds) - 1
             cuts = tf.split(tf.reshape(var, [-1]), np.diff(bounds).tolist())
             carry = self._carry(job.name, parts)
             res = job.extra["residual"] = _Residual(
@@ -247,18 +330,34 @@ class TFCodec:
         return cache[value]
 
     @staticmethod
-    def size(payload) -> int:
-        return payload.shape.num_elements() * payload.dtype.size
+    def size(payload):
+        """Bytes of a payload: an int, or in a graph a tensor where the size depends on the data
+        (threshold), in float64 so that the plans' cost model can take fractions of it."""
+        n = payload.shape.num_elements()
+        if n is None:
+            return tf.cast(tf.size(payload, tf.int64) * payload.dtype.size, tf.float64)
+        return n * payload.dtype.size
 
     @staticmethod
     def concat(tensors: list):
         return tf.concat(tensors, 0)
 
     @staticmethod
-    def split(t, sizes: list[int]) -> list:
-        return tf.split(tf.reshape(t, [-1]), sizes)
+    def split(t, sizes: list) -> list:
+        return tf.split(tf.reshape(t, [-1]), sizes, num=len(sizes))
+
+    def walk(self, job: Job, gathered, parts: list[Part], info: CodecInfo) -> list:
+        sizes, offset = [], 0
+        for _ in parts:
+            sizes.append(self._payload_size(gathered, offset, info, job.itemsize))
+            offset = offset + sizes[-1]
+        return sizes
 
     def reduce(self, job: Job, payloads, part: Part, info: CodecInfo, ranks: int, alpha: float):
+        if info.variable_size:
+            return lib.hvdc_aggregate_concat(tf.reshape(payloads, [-1]), self._scalar(job, alpha),
+                                             T=job.extra["grad"].dtype, n=part.n, ranks=ranks,
+                                             **self._part_attrs(part, info))
         # Payload sizes are static, so the rows are known in a graph too, and empty payloads
         # (bf16 chunks past the end of a small tensor) need no size inferred.
         per_rank = info.payload_bytes(job.itemsize, part.n, part.field_dict)
@@ -269,6 +368,8 @@ class TFCodec:
     reduce_into = reduce  # TF ops allocate their outputs
 
     def decode_part(self, job: Job, payload, part: Part, info: CodecInfo, alpha: float):
+        if info.variable_size:
+            return self.reduce(job, payload, part, info, 1, alpha)
         return _decode(payload, job.step, self._scalar(job, alpha), job.extra["grad"].dtype,
                        part.n, self._part_attrs(part, info))
 
@@ -341,6 +442,10 @@ class TFCodec:
 
     @staticmethod
     def finish(job: Job, pieces: list):
+        held = job.extra.pop("codec_state", None)
+        if held is not None:
+            for v, new in zip(held.variables, zip(*held.pieces)):
+                v.assign(tf.reshape(tf.concat(new, 0), v.shape))
         res = job.extra.pop("residual", None)
         if res is not None:
             res.var.assign(tf.reshape(tf.concat(res.pieces, 0), res.var.shape))
@@ -370,12 +475,12 @@ class TFAdapter:
         return np.array(t.numpy())
 
     def from_numpy(self, a: np.ndarray, like):
-        value = tf.cast(tf.constant(a), like.dtype)
         if isinstance(like, tf.Variable):
-            like.assign(value)
+            like.assign(tf.cast(tf.constant(a), like.dtype))
             return like
+        # A checkpointed slot first used inside a trace: its value is made where it is kept.
         with tf.init_scope():
-            return tf.Variable(value, trainable=False)
+            return tf.Variable(tf.cast(tf.constant(a), like.dtype), trainable=False)
 
     def new_counter(self, value: int) -> tf.Variable:
         with tf.init_scope():

@@ -25,8 +25,8 @@ import tensorflow as tf
 
 from ..spec import momentum_advice
 from .ops import lib
-from .reducer import (DEFAULT_MIN_COMPRESS_BYTES, Reducer, attach, new_reducer,
-                      pop_horovod_arguments, to_config)
+from .reducer import (DEFAULT_MIN_COMPRESS_BYTES, Reducer, attach, drop_optimizer_momentum,
+                      new_reducer, pop_horovod_arguments, to_config)
 
 
 def DistributedOptimizer(optimizer, compression: Any = "none", op=hvd.Average,
@@ -42,16 +42,10 @@ def DistributedOptimizer(optimizer, compression: Any = "none", op=hvd.Average,
     pop_horovod_arguments(horovod_kwargs)
     reducer = new_reducer(compression, min_compress_bytes, op, process_set,
                           horovod_kwargs.get("sparse_as_dense", False))
-    config, momentum = reducer.config, float(getattr(optimizer, "momentum", 0) or 0)
-    advice = momentum_advice(config, momentum)
+    advice = momentum_advice(reducer.config, float(getattr(optimizer, "momentum", 0) or 0))
     if advice:
         warnings.warn(advice)
-    if momentum and (config.momentum == "nesterov" or config.info.replaces_momentum):
-        # before Horovod rebuilds the optimizer from its config
-        what = config.codec if config.info.replaces_momentum else "momentum=nesterov"
-        warnings.warn(f"{what} in the compression spec replaces the optimizer's own momentum "
-                      f"({momentum}); setting it to 0")
-        optimizer.momentum = 0.0
+    drop_optimizer_momentum(optimizer, reducer.config)
     # Horovod's own, also when `python -m hvd_compress` has put ours in its place.
     opt = inspect.unwrap(hvd_keras.DistributedOptimizer)(
         optimizer, name=name, op=op, process_set=process_set, **horovod_kwargs)
@@ -152,6 +146,7 @@ class CompressionStatsCallback(tf.keras.callbacks.Callback):
         if logs is None:
             return
         reducer = _reducer_of(self.model)
+        reducer.refresh_stats()
         compressing = bool(reducer.enabled.numpy())
         raw = sum(t.raw_bytes for t in reducer.stats.tensors.values())
         sent = sum(t.sent_bytes if compressing else t.raw_bytes

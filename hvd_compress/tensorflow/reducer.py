@@ -5,6 +5,7 @@ keyed by variable name."""
 from __future__ import annotations
 
 import re
+import warnings
 from typing import Any
 
 import horovod.tensorflow as hvd
@@ -15,8 +16,9 @@ from ..compressor import CompressorBase
 from ..spec import CompressionConfig, parse_spec
 from ..state import StateStore
 from ..stats import CompressionStats
-from .codec import DTYPE_NAMES, TFAdapter, TFCodec
+from .codec import DTYPE_NAMES, TFAdapter, TFCodec, fields_step
 from .ops import lib
+from .powersgd import PowerSGDReduction
 
 DEFAULT_MIN_COMPRESS_BYTES = 65536
 _OP_NAME = re.compile(r"[^A-Za-z0-9_.\-/]")
@@ -81,7 +83,8 @@ class Reducer:
         self.process_set = process_set
         self.sparse_as_dense = sparse_as_dense
         self.store = StateStore(TFAdapter(), spec=config.canonical())
-        self.codec = TFCodec(config, self.store, rank=self._rank())
+        self.codec = TFCodec(config, self.store, rank=self._rank(), world=self._world())
+        self.powersgd = self._powersgd(config)
         self.stats = CompressionStats()
         self.enabled = tf.Variable(True, trainable=False, name="hvdc_compression_enabled")
         # A traced step never returns to Python: steps are counted in the graph.
@@ -94,6 +97,8 @@ class Reducer:
         with tf.init_scope():  # the codec clock is read eagerly even when built in a trace
             self._codec_ns = int(lib.hvdc_codec_time().numpy())
         self._writer = None
+        # name -> [sent bytes, wire bytes] of a variable-size payload, written by traced steps
+        self._measured: dict[str, tf.Variable] = {}
         self.nodes, self.groups = None, {None: process_set}
         if config.hierarchical:
             self.nodes, local, cross = node_process_sets(process_set)
@@ -101,6 +106,16 @@ class Reducer:
 
     def _rank(self) -> int:
         return self.process_set.rank() if self.process_set.included() else 0
+
+    def _world(self) -> int:
+        return self.process_set.size() if self.process_set.included() else 1
+
+    def _powersgd(self, config: CompressionConfig) -> PowerSGDReduction | None:
+        """Two-round codecs run their own pipeline over all of a step's gradients."""
+        if config.info.rounds != 2:
+            return None
+        return PowerSGDReduction(config, self.store, self.process_set,
+                                 average=self.op == hvd.Average)
 
     # Nothing here branches on a tensor's value (tf.cond is explicit), and autograph would
     # otherwise transpile every function the plans call, seconds per trace.
@@ -117,7 +132,10 @@ class Reducer:
         self.store.begin()
         try:
             units = self._rescale()
-            reduced = [self._reduce_one(g, name) for g, name in zip(grads, names)]
+            if self.powersgd is not None:
+                reduced = self._reduce_powersgd(grads, names)
+            else:
+                reduced = [self._reduce_one(g, name) for g, name in zip(grads, names)]
         except BaseException:
             self.store.rollback()
             raise
@@ -186,9 +204,18 @@ class Reducer:
                 roll_back)
         store.commit()
 
+    def refresh_stats(self) -> CompressionStats:
+        """The statistics, with the last traced step's bytes of variable-size payloads."""
+        for name, measured in self._measured.items():
+            sent, wire = measured.numpy().tolist()
+            t = self.stats.tensors[name]
+            t.sent_bytes, t.wire_bytes = int(sent), wire
+        return self.stats
+
     def compression_report(self) -> dict:
         """Bytes per step, ratio and codec-kernel time since this reducer was built, with the
         per-tensor statistics (what `python -m hvd_compress` prints and writes)."""
+        self.refresh_stats()
         return stats.report(self.stats, str(self.config), int(self.steps.numpy()),
                             int(lib.hvdc_codec_time().numpy()) - self._codec_ns,
                             compressing=bool(self.enabled.numpy()))
@@ -205,8 +232,12 @@ class Reducer:
     def _write_step(self, reduced, names):
         tensors = [self.stats.tensors[n] for n in names if n in self.stats.tensors]
         raw = tf.constant(sum(t.raw_bytes for t in tensors), tf.float64)
-        sent = tf.where(self.enabled, tf.constant(sum(t.sent_bytes for t in tensors), tf.float64),
-                        raw)
+        known = [t for n, t in zip(names, tensors) if n not in self._measured]
+        sent = tf.constant(sum(t.sent_bytes for t in known), tf.float64)
+        for n in names:
+            if n in self._measured:
+                sent += self._measured[n][0]
+        sent = tf.where(self.enabled, sent, raw)
         # The clock is read once this step's codec ops have run.
         with tf.control_dependencies([t for t in reduced if isinstance(t, tf.Tensor)]):
             now = lib.hvdc_codec_time()
@@ -224,7 +255,8 @@ class Reducer:
         carry over by name; callers retrace any tf.function that reduces gradients."""
         self.codec.settle()
         self.config = config
-        self.codec = TFCodec(config, self.store, rank=self._rank())
+        self.codec = TFCodec(config, self.store, rank=self._rank(), world=self._world())
+        self.powersgd = self._powersgd(config)
         self.store.spec = config.canonical()
 
     def _plain(self, grad, opname):
@@ -247,38 +279,107 @@ class Reducer:
             # As [1, bytes] rows, Horovod refuses ranks whose payload sizes differ.
             t = tf.reshape(request.tensor, [1, -1]) if request.rows else request.tensor
             return hvd.allgather(t, name=request.name, process_set=ps)
-        received, _ = hvd.alltoall(request.tensor, splits=tf.constant(request.splits, tf.int32),
-                                   name=request.name, process_set=ps)
+        # Variable-size payloads (threshold) have sizes known only in the graph.
+        splits = tf.stack([tf.cast(s, tf.int32) for s in request.splits])
+        received, _ = hvd.alltoall(request.tensor, splits=splits, name=request.name,
+                                   process_set=ps)
         return received
+
+    def _kept_plain(self, grad, name: str) -> bool:
+        """Whether the gradient travels uncompressed whatever the codec (recorded so)."""
+        nbytes = (grad.shape.num_elements() or 0) * grad.dtype.size
+        if (isinstance(grad, tf.IndexedSlices) or self.config.codec == "none"
+                or grad.dtype not in DTYPE_NAMES or grad.shape.num_elements() is None
+                or nbytes < self.min_bytes or grad.shape.rank < self.codec.info.min_dim):
+            if not isinstance(grad, tf.IndexedSlices):
+                self._record_plain(name, grad)
+            return True
+        return False
+
+    def _record_plain(self, name: str, grad) -> None:
+        nbytes = grad.shape.num_elements() * grad.dtype.size
+        self.stats.record(name, "none", nbytes, nbytes, collectives.ALLREDUCE,
+                          _ring_allreduce_bytes(nbytes, self.process_set.size()))
+
+    def _reduce_powersgd(self, grads, names) -> list:
+        out, items = [None] * len(grads), []
+        for i, (grad, name) in enumerate(zip(grads, names)):
+            if grad is None:
+                continue
+            opname = "hvdc." + _OP_NAME.sub("_", name)
+            if self._kept_plain(grad, name):
+                out[i] = self._plain(grad, opname)
+            else:
+                items.append((name, opname, grad))
+        if not items:
+            return out
+
+        def record(name, grad, sent_elements):
+            if sent_elements is None:
+                self._record_plain(name, grad)
+                return
+            nbytes = grad.shape.num_elements() * grad.dtype.size
+            sent = sent_elements * (8 if grad.dtype == tf.float64 else 4)
+            self.stats.record(name, "powersgd", nbytes, sent, collectives.ALLREDUCE,
+                              _ring_allreduce_bytes(sent, self.process_set.size()))
+
+        # CompressionScheduleCallback flips `enabled`; every rank takes the same branch.
+        reduced = tf.cond(
+            self.enabled, lambda: self._by_name(self.powersgd.reduce(items, self._plain, record),
+                                                items),
+            lambda: [self._plain(grad, opname + ".off") for _, opname, grad in items])
+        position = {name: i for i, name in enumerate(names)}
+        for (name, _, _), g in zip(items, reduced):
+            out[position[name]] = g
+        return out
+
+    @staticmethod
+    def _by_name(reduced: dict, items: list) -> list:
+        return [reduced[name] for name, _, _ in items]
 
     def _reduce_one(self, grad, name: str):
         if grad is None:
             return None
         opname = "hvdc." + _OP_NAME.sub("_", name)
         nbytes = (grad.shape.num_elements() or 0) * grad.dtype.size
-        if (isinstance(grad, tf.IndexedSlices) or self.config.codec == "none"
-                or grad.dtype not in DTYPE_NAMES or grad.shape.num_elements() is None
-                or nbytes < self.min_bytes):
-            if not isinstance(grad, tf.IndexedSlices):
-                self.stats.record(name, "none", nbytes, nbytes, collectives.ALLREDUCE,
-                                  _ring_allreduce_bytes(nbytes, self.process_set.size()))
+        if self._kept_plain(grad, name):
             return self._plain(grad, opname)
 
         def compressed():
             info, ps = self.codec.info, self.process_set
-            # Only seeded codecs read the step (the homomorphic strategy rounds stochastically
-            # whatever the codec), so only they keep a counter variable.
-            seeded = info.uses_seed or collectives.HOMOMORPHIC in info.strategies
-            step = self.store.next_step(name) if seeded else tf.constant(0, tf.int64)
+            # Only codecs that read the step keep a counter variable: seeded ones (and the
+            # homomorphic strategy, which rounds stochastically whatever the codec), and those
+            # whose kernel fields change with the step (DGC's warm-up).
+            counted = (info.uses_seed or collectives.HOMOMORPHIC in info.strategies
+                       or self.config.stepwise)
+            step = self.store.next_step(name) if counted else tf.constant(0, tf.int64)
             job = collectives.Job(name=name, n=grad.shape.num_elements(),
                                   itemsize=grad.dtype.size, config=self.config,
                                   rank=self._rank(), world=ps.size(),
                                   average=self.op == hvd.Average, opname=opname, step=step,
+                                  fields_step=fields_step(self.config, step),
                                   nodes=self.nodes, extra={"grad": grad})
             collectives.choose(job)
+            capacity = job.wire_bytes
             reduced = collectives.run_now(collectives.plan(job, self.codec), self._perform)
-            self.stats.record(name, info.name, nbytes, job.payload_bytes, job.strategy,
-                              job.wire_bytes)
+            sent, wire = job.payload_bytes, job.wire_bytes
+            if isinstance(sent, tf.Tensor):
+                # Variable-size payloads: the bytes of this step where it runs eagerly; a traced
+                # step writes them to a variable that refresh_stats() reads, and is recorded by
+                # the capacity the cost model counts until then.
+                if tf.executing_eagerly():
+                    sent, wire = int(sent), float(wire)
+                else:
+                    if name not in self._measured:
+                        with tf.init_scope():
+                            self._measured[name] = tf.Variable(
+                                tf.zeros([2], tf.float64), trainable=False)
+                    self._measured[name].assign(tf.stack([tf.cast(sent, tf.float64),
+                                                          tf.cast(wire, tf.float64)]))
+                    sent = info.payload_bytes(job.itemsize, job.n,
+                                              collectives.whole(job).field_dict)
+                    wire = capacity
+            self.stats.record(name, info.name, nbytes, sent, job.strategy, wire)
             return reduced
 
         # CompressionScheduleCallback flips `enabled`; every rank takes the same branch.
@@ -320,6 +421,22 @@ def new_reducer(compression: Any, min_compress_bytes: int, op, process_set,
     if process_set.included() and process_set.size() > 1:
         check_ranks_agree(config, min_compress_bytes, process_set)
     return reducer
+
+
+def drop_optimizer_momentum(optimizer, config: CompressionConfig) -> None:
+    """A codec that applies momentum itself (DGC's momentum correction) or momentum=nesterov
+    would have it applied twice by an optimizer with its own: that one is set to 0 with a
+    warning, as the torch optimizer does (Keras: `momentum`, tf.compat.v1's
+    MomentumOptimizer: `_momentum`)."""
+    if not (config.momentum == "nesterov" or config.info.replaces_momentum):
+        return
+    what = config.codec if config.info.replaces_momentum else "momentum=nesterov"
+    for attr in ("momentum", "_momentum"):
+        value = getattr(optimizer, attr, 0)
+        if isinstance(value, (int, float)) and value:
+            warnings.warn(f"{what} in the compression spec replaces the optimizer's own "
+                          f"momentum ({value}); setting it to 0")
+            setattr(optimizer, attr, 0.0)
 
 
 def attach(opt, reducer: Reducer):

@@ -29,47 +29,22 @@ arrived); its state stays per parameter, so checkpoints do not depend on the set
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import horovod.torch as hvd
 import torch
 
+from ..powersgd import PowerSGDState
 from ..seeds import derive_seed
 from ..spec import CompressionConfig
 from ..state import StateStore
 from . import _C
 
 
-@dataclass(frozen=True)
-class PowerSGDState:
-    """The hyperparameters, named as in PyTorch's PowerSGDState."""
-
-    rank: int
-    start_iter: int
-    min_compression_rate: float
-    error_feedback: bool
-    warm_start: bool
-    orthogonalization_epsilon: float
-    batch_same_shape: bool
-    seed: int
-
-    @classmethod
-    def from_config(cls, cfg: CompressionConfig) -> "PowerSGDState":
-        return cls(seed=cfg.seed, **cfg.param_dict)
-
-    def compresses(self, shape: torch.Size) -> bool:
-        if len(shape) < 2 or shape.numel() == 0:  # a zero-size matrix has nothing to factor
-            return False
-        rows = shape[0]
-        cols = shape.numel() // rows
-        return rows * cols >= self.min_compression_rate * (rows + cols) * self.rank
-
-
 def initial_q(seed: int, name: str, step: int, rank: int, cols: int,
               dtype: torch.dtype) -> torch.Tensor:
-    """Qt (rank x cols) drawn from (seed, name, step): identical on every rank, no broadcast."""
-    g = torch.Generator().manual_seed(derive_seed(seed, name, step) & 0x7FFFFFFFFFFFFFFF)
-    return torch.randn(rank, cols, generator=g, dtype=torch.float64).to(dtype)
+    """Qt (rank x cols) of standard normals drawn from (seed, name, step) by a kernel rather than
+    torch's generator: identical on every rank and in any frontend, no broadcast."""
+    return _C.powersgd_initial_q(derive_seed(seed, name, step), rank, cols,
+                                 dtype == torch.float64)
 
 
 class PowerSGDReduction:

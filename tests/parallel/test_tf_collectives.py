@@ -27,7 +27,7 @@ TF_DTYPES = {"float32": tf.float32, "float16": tf.float16, "float64": tf.float64
 
 # Every codec the TF frontend runs whose payloads can be decoded, summed and encoded again.
 COMPRESSED = ["fp16", "bf16", "onebit", "signsgd", "efsignsgd", "topk,k=0.05", "minmax8,chunk=64",
-              "dithering", "qsgd", "terngrad", "natural"]
+              "dithering", "qsgd", "terngrad", "natural", "threshold,threshold=1.0", "dgc,k=0.05"]
 # Lengths: one element, fewer elements than ranks, not divisible by the rank count (nor by the
 # 64-element chunk alignment), and enough for every rank to own a chunk.
 SIZES = [1, max(1, WORLD - 1), 64 * WORLD + 37]
@@ -43,11 +43,13 @@ class Case:
     def __init__(self, spec, n, dtype="float32", name="w"):
         self.spec, self.n, self.dtype, self.name = spec, n, dtype, name
         self.reducer = Reducer(to_config(spec), 0, hvd.Average, hvd.global_process_set)
-        self.var = tf.Variable(tf.zeros([n], TF_DTYPES[dtype]), name=name)
+        # a row, as the torch tests' parameter: DGC compresses tensors of two dimensions or more
+        self.var = tf.Variable(tf.zeros([1, n], TF_DTYPES[dtype]), name=name)
         self.sim = Simulation(spec, n, dtype, WORLD, name=name)
 
     def reduce(self, g):
-        return self.reducer.reduce([g], [self.var])[0]
+        row = self.reducer.reduce([tf.reshape(g, self.var.shape)], [self.var])[0]
+        return tf.reshape(row, [-1])
 
     @property
     def stats(self):
@@ -113,6 +115,7 @@ def test_compressed_allreduce_in_a_graph_equals_simulation():
 
 RESIDUAL_SPECS = ["onebit,ef=vanilla", "topk,k=0.05,ef=vanilla", "efsignsgd",
                   "minmax8,ef=vanilla,momentum=nesterov", "dithering,s=4,ef=vanilla",
+                  "dgc,k=0.05,warmup_steps=2", "threshold,threshold=0.5,ef=vanilla",
                   "bf16,ef=vanilla"]
 
 
@@ -124,7 +127,10 @@ def check_residuals(case):
     bounds = col.chunk_bounds(case.n, WORLD)
     assert owner == [f"owner_ef[{bounds[RANK]}:{bounds[RANK + 1]}]"], case.spec
     assert np.array_equal(state[owner[0]], case.sim.owner_e[RANK]), case.spec
-    assert same_bits(state["ef"].reshape(-1), case.sim.e[RANK]), case.spec
+    worker = state["ef" if "ef" in state else "dgc_accumulator"]
+    assert same_bits(worker.reshape(-1), case.sim.e[RANK]), case.spec
+    if "dgc_velocity" in state:
+        assert same_bits(state["dgc_velocity"].reshape(-1), case.sim.u[RANK]), case.spec
 
 
 @pytest.mark.parametrize("spec", RESIDUAL_SPECS)
@@ -179,7 +185,9 @@ def test_all_ranks_hold_identical_results():
 
 @pytest.mark.parametrize("spec", ["onebit,ef=vanilla,collective=allreduce",
                                   "topk,k=0.05,ef=vanilla,collective=allreduce",
-                                  "minmax8,ef=vanilla,collective=homomorphic"])
+                                  "minmax8,ef=vanilla,collective=homomorphic",
+                                  "dgc,k=0.05,warmup_steps=3", "dgc,k=0.05,collective=allreduce",
+                                  "threshold,threshold=0.5,ef=vanilla,collective=allreduce"])
 def test_checkpointed_state_continues_bit_exactly(spec):
     """The TF twin: state_dict() into a fresh reducer, which carries on as the uninterrupted
     simulation (and so as the torch frontend, which matches the same simulation)."""

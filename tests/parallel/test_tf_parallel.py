@@ -14,7 +14,9 @@ import pytest
 import tensorflow as tf
 
 from helpers import owner_sums_rounded_to, same_bits, tensorboard_scalars, two_rank_marker
-from simulation import BPPS_SPECS, Simulation, bpps_pass_grads, bpps_weights, grads_for_step
+from simulation import (BPPS_SPECS, PowerSGDSimulation, Simulation, bpps_pass_grads, bpps_weights,
+                        grads_for_step)
+import hvd_compress as hc
 import hvd_compress.tensorflow as hvdt
 import hvd_compress.tensorflow.keras as hvdk
 from hvd_compress.tensorflow import Compression
@@ -70,6 +72,163 @@ def test_tape_error_feedback_and_momentum_equal_simulation(spec):
         assert same_bits(fn(tf.constant(grads[RANK])).numpy(), sim(grads)), f"step {step}"
 
 
+SPARSE_SPECS = ["threshold,threshold=1.0", "threshold,threshold=0.5,ef=vanilla", "dgc,k=0.01",
+                "dgc,k=0.05,momentum_factor=0.5,clip_norm=20"]
+
+
+def weight_and_bias_steps(spec, graph, tag, steps=4):
+    """A 60x70 weight and its bias reduced by a tape for `steps` steps, each compared bit for bit
+    with the simulation, as the torch tests do: DGC compresses the weight only (dim > 1) and
+    the bias goes uncompressed; threshold compresses both. Returns the tape's statistics."""
+    w = tf.Variable(tf.zeros([60, 70]), name=f"sparse_w{tag}")
+    b = tf.Variable(tf.zeros([70]), name=f"sparse_b{tag}")
+    n = 60 * 70
+    sim = Simulation(spec, n, "float32", WORLD)
+    bias_sim = Simulation("none" if spec.startswith("dgc") else spec, 70, "float32", WORLD)
+    tapes = []
+
+    def run(gw, gb):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(w * gw) + tf.reduce_sum(b * gb)
+        tape = hvdt.DistributedGradientTape(tape, compression=spec, min_compress_bytes=0)
+        tapes.append(tape)
+        return tape.gradient(loss, [w, b])
+
+    fn = tf.function(run) if graph else run
+    for step in range(steps):
+        gw = grads_for_step(n, "float32", step, WORLD)
+        gb = grads_for_step(70, "float32", 50 + step, WORLD)
+        got_w, got_b = fn(tf.constant(gw[RANK].reshape(60, 70)), tf.constant(gb[RANK]))
+        assert same_bits(got_w.numpy().reshape(-1), sim(gw)), f"weight, step {step}"
+        assert same_bits(got_b.numpy(), bias_sim(gb)), f"bias, step {step}"
+    return tapes[-1].compression_stats
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "function"])
+@pytest.mark.parametrize("spec", SPARSE_SPECS)
+def test_tape_dgc_and_threshold_equal_simulation(spec, graph):
+    stats = weight_and_bias_steps(spec, graph, f"{SPARSE_SPECS.index(spec)}_{graph}")
+    codec = spec.split(",")[0]
+    assert stats.tensors[f"sparse_w{SPARSE_SPECS.index(spec)}_{graph}"].codec == codec
+    bias = stats.tensors[f"sparse_b{SPARSE_SPECS.index(spec)}_{graph}"].codec
+    assert bias == ("none" if codec == "dgc" else codec)
+    if codec == "threshold":  # what the last step sent, less than the payload's capacity
+        sent = stats.tensors[f"sparse_w{SPARSE_SPECS.index(spec)}_{graph}"].sent_bytes
+        assert 8 < sent < hc.get_codec("threshold").payload_bytes(4, 60 * 70, {})
+
+
+def test_threshold_with_a_rank_sending_nothing():
+    """GRACE issue #16: a rank with no element above the threshold must not hang the job."""
+    n = 3000
+    var = tf.Variable(tf.zeros([n]), name="thr_nothing")
+    sim = Simulation("threshold,threshold=1.0", n, "float32", WORLD)
+    grads = grads_for_step(n, "float32", 0, WORLD)
+    grads[0] = grads[0] * np.float32(1e-6)  # rank 0: nothing above 1.0
+    want = sim(grads)  # no state: the same every step
+    for graph in (False, True):
+        got = tape_step(var, tf.constant(grads[RANK]), "threshold,threshold=1.0", graph)
+        assert same_bits(got.numpy(), want), graph
+
+
+def test_dgc_warmup_runs_eagerly_and_is_refused_in_a_trace():
+    """The warm-up changes k (and the payload size) every step: eagerly it equals the
+    simulation (and so torch); one traced graph cannot, and says what to do instead."""
+    weight_and_bias_steps("dgc,k=0.01,warmup_steps=3", graph=False, tag="warm")
+    with pytest.raises(ValueError, match="warmup_steps changes k"):
+        weight_and_bias_steps("dgc,k=0.01,warmup_steps=3", graph=True, tag="warm_f", steps=1)
+
+
+def test_dgc_turns_the_optimizers_own_momentum_off():
+    sgd = tf.keras.optimizers.SGD(0.05, momentum=0.9)
+    with pytest.warns(UserWarning, match="dgc in the compression spec replaces the optimizer"):
+        hvdk.DistributedOptimizer(sgd, compression="dgc")
+    assert sgd.momentum == 0
+    v1 = tf.compat.v1.train.MomentumOptimizer(0.05, momentum=0.9)
+    with pytest.warns(UserWarning, match="dgc in the compression spec replaces the optimizer"):
+        hvdt.DistributedOptimizer(v1, compression="dgc")
+    assert v1._momentum == 0
+
+
+POWERSGD = [("powersgd,rank=1,start_iter=0", "float32", 1e-4),
+            ("powersgd,rank=2,start_iter=2,seed=5", "float64", 1e-10),
+            ("powersgd,rank=3,start_iter=0,error_feedback=false", "float64", 1e-10),
+            ("powersgd,rank=2,start_iter=0,warm_start=false,orthogonalization_epsilon=1e-8",
+             "float64", 1e-10)]
+POWERSGD_SHAPES = [(40, 6, 5), (70,), (3, 4)]
+
+
+def powersgd_run(spec, dtype, graph, steps=5, reducer=None, start=0, shapes=POWERSGD_SHAPES):
+    """Parameters p0, p1, ... of these shapes (the torch test's by default) reduced by a reducer
+    for `steps` steps; returns the reduced gradients of every step and the reducer."""
+    variables = [tf.Variable(tf.zeros(s, TF_DTYPES[dtype]), name=f"p{i}")
+                 for i, s in enumerate(shapes)]
+    reducer = reducer or hvdt.Reducer(hc.parse_spec(spec), 0, hvd.Average, hvd.global_process_set)
+    fn = (tf.function(lambda gs: reducer.reduce(gs, variables)) if graph
+          else (lambda gs: reducer.reduce(gs, variables)))
+    rng = np.random.default_rng(0)
+    out = []
+    for step in range(start + steps):
+        grads = [[rng.standard_normal(s) for _ in range(WORLD)] for s in shapes]
+        if step < start:
+            continue
+        got = fn([tf.constant(g[RANK], TF_DTYPES[dtype]) for g in grads])
+        out.append((grads, [np.asarray(g.numpy()) for g in got]))
+    return out, reducer
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "function"])
+@pytest.mark.parametrize("spec,dtype,tol", POWERSGD)
+def test_powersgd_equals_simulation(spec, dtype, tol, graph):
+    """The torch test's cases (same names, shapes, seeds and simulation): start_iter, error
+    feedback, warm start, rank; 1-D and weakly compressible tensors uncompressed."""
+    sims = [PowerSGDSimulation(spec, f"p{i}", WORLD) for i in range(len(POWERSGD_SHAPES))]
+    steps, reducer = powersgd_run(spec, dtype, graph)
+    for grads, got in steps:
+        for g, sim, gs in zip(got, sims, grads):
+            np.testing.assert_allclose(g.astype(np.float64).reshape(gs[0].shape[0], -1),
+                                       sim(gs), rtol=tol, atol=tol)
+    codecs = {n: t.codec for n, t in reducer.stats.tensors.items()}
+    assert codecs == {"p0": "powersgd", "p1": "none", "p2": "none"}
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "function"])
+def test_powersgd_batches_and_checkpoints_change_no_bit(graph, monkeypatch):
+    """batch_same_shape changes how P and Q travel (one allreduce per shape and round), not
+    the arithmetic; a reducer loading the state mid-run carries on as the uninterrupted one."""
+    import hvd_compress.tensorflow.powersgd as tf_powersgd
+    spec = "powersgd,rank=2,start_iter=1"
+    shapes = [(20, 12), (12, 20), (20, 12), (70,), (12, 20), (20, 12)]
+    want, full = powersgd_run(spec, "float64", graph, steps=4, shapes=shapes)
+    sent, groups = [], []
+    grouped = tf_powersgd.hvd.grouped_allreduce
+
+    def recording(tensors, **kwargs):
+        groups.append(len(tensors))
+        sent.extend((kwargs["name"].split(".")[-1], tuple(t.shape)) for t in tensors)
+        return grouped(tensors, **kwargs)
+
+    monkeypatch.setattr(tf_powersgd.hvd, "grouped_allreduce", recording)
+    batched, _ = powersgd_run(spec + ",batch_same_shape=true", "float64", graph, steps=4,
+                              shapes=shapes)
+    monkeypatch.undo()
+    for (_, a), (_, b) in zip(want, batched):
+        assert all(same_bits(x, y) for x, y in zip(a, b))
+    assert sorted(set(sent)) == [("powersgd_p", (2, 12, 2)), ("powersgd_p", (3, 20, 2)),
+                                 ("powersgd_q", (2, 2, 20)), ("powersgd_q", (3, 2, 12))]
+    # eagerly both batches share each round's allreduce; a trace decides per batch (start_iter)
+    assert set(groups) == ({1} if graph else {2})
+    first, half = powersgd_run(spec, "float64", graph, steps=2, shapes=shapes)
+    again = hvdt.Reducer(hc.parse_spec(spec), 0, hvd.Average, hvd.global_process_set)
+    again.load_state_dict(half.state_dict())
+    rest, _ = powersgd_run(spec, "float64", graph, steps=2, reducer=again, start=2,
+                           shapes=shapes)
+    for (_, a), (_, b) in zip(want, first + rest):
+        assert all(same_bits(x, y) for x, y in zip(a, b))
+    state = full.state_dict()
+    assert set(state["slots"]["p0"]) == {"ef", "powersgd_qt"}
+    assert state["slots"]["p0"]["ef"].shape == (20, 12) and state["steps"]["p0"] == 4
+
+
 def digits_data():
     from sklearn.datasets import load_digits
     d = load_digits()
@@ -117,6 +276,21 @@ def test_keras_fit_reaches_uncompressed_loss(spec):
     assert np.array_equal(gathered[0].numpy(), gathered[1].numpy()), "ranks diverged"
     ratios = history.history["compression_ratio"]
     assert ratios[0] == 1.0 and ratios[-1] > 1.5  # plain for epoch 0, compressed after
+
+
+@pytest.mark.parametrize("spec", ["dgc,k=0.05", "threshold,threshold=0.01,ef=vanilla",
+                                  "powersgd,rank=4,start_iter=10"])
+def test_keras_fit_with_dgc_threshold_and_powersgd_reaches_uncompressed_loss(spec):
+    if "none" not in _baseline:
+        _baseline["none"] = fit("none")[3]
+    model, opt, history, loss = fit(spec, start_epoch=1)
+    assert loss <= 1.10 * _baseline["none"], (spec, loss, _baseline["none"])
+    flat = tf.concat([tf.reshape(w, [-1]) for w in model.trainable_weights], 0)
+    gathered = hvd.allgather(tf.expand_dims(flat, 0), name="weights_check")
+    assert np.array_equal(gathered[0].numpy(), gathered[1].numpy()), "ranks diverged"
+    ratios = history.history["compression_ratio"]
+    # threshold's: the bytes its traced step last sent (their size is known only as it runs)
+    assert ratios[0] == 1.0 and ratios[-1] > 1.5
 
 
 def test_keras_stats_callback_writes_tensorboard_scalars_per_step(tmp_path_factory):
@@ -189,20 +363,21 @@ def test_tape_sparse_as_dense_compresses_embedding_gradients():
     np.testing.assert_allclose(got.numpy(), want, rtol=1e-3)
 
 
-def test_keras_compression_checkpoint_saves_and_restores(tmp_path_factory):
-    path = os.path.join(str(tmp_path_factory.getbasetemp()), "ckpt", "comp")
-    _, opt, _, _ = fit("topk,k=0.05,ef=vanilla", epochs=2,
-                       callbacks=[hvdk.CompressionCheckpointCallback(path)])
+@pytest.mark.parametrize("spec, kind", [("topk,k=0.05,ef=vanilla", "ef"),
+                                        ("dgc,k=0.05", "dgc_velocity")])
+def test_keras_compression_checkpoint_saves_and_restores(tmp_path_factory, spec, kind):
+    path = os.path.join(str(tmp_path_factory.getbasetemp()), "ckpt", spec.split(",")[0])
+    _, opt, _, _ = fit(spec, epochs=2, callbacks=[hvdk.CompressionCheckpointCallback(path)])
     saved = opt.compression_state_dict()
     assert os.path.exists(f"{path}.rank{RANK}.pkl")
-    assert any(np.abs(kinds["ef"]).sum() > 0 for kinds in saved["slots"].values())
+    assert any(np.abs(kinds[kind]).sum() > 0 for kinds in saved["slots"].values())
     # A new run restores it at train begin (0 epochs: nothing else changes it).
-    _, opt2, _, _ = fit("topk,k=0.05,ef=vanilla", epochs=0,
-                        callbacks=[hvdk.CompressionCheckpointCallback(path)])
+    _, opt2, _, _ = fit(spec, epochs=0, callbacks=[hvdk.CompressionCheckpointCallback(path)])
     restored = opt2.compression_state_dict()
     assert restored["steps"] == saved["steps"]
     for name, kinds in saved["slots"].items():
-        assert np.array_equal(restored["slots"][name]["ef"], kinds["ef"])
+        for k, arr in kinds.items():
+            assert np.array_equal(restored["slots"][name][k], arr), (name, k)
 
 
 def test_stock_tape_with_linear_codec_and_refusal_of_allgather_codecs():
@@ -298,6 +473,23 @@ def test_keras_backward_passes_per_step_weights_equal_simulation(spec):
         for k in range(passes):
             backward_pass(tf.constant(bpps_pass_grads(n, step, k, WORLD)[RANK]))
     assert same_bits(w.numpy(), bpps_weights(spec, n, steps, passes, 0.5, WORLD))
+
+
+@pytest.mark.parametrize("spec", ["dgc,k=0.02,momentum_factor=0.6", "threshold,threshold=0.8,ef=vanilla"])
+def test_tf1_style_optimizer_with_dgc_and_threshold(spec):
+    shape = (50, 60)
+    n = shape[0] * shape[1]
+    var = tf.Variable(tf.zeros(shape), name=f"v1_{spec.split(',')[0]}")
+    opt = hvdt.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(1.0),
+                                    compression=spec, min_compress_bytes=0)
+    sim = Simulation(spec, n, "float32", WORLD)
+    want = np.zeros(n, np.float32)
+    for step in range(3):
+        grads = grads_for_step(n, "float32", step, WORLD)
+        g = tf.constant(grads[RANK].reshape(shape))
+        opt.minimize(lambda: tf.reduce_sum(var * g), var_list=[var])
+        want = want - sim(grads)
+        assert np.array_equal(var.numpy().reshape(-1), want), f"step {step}"
 
 
 def _two_layer_model(seed):

@@ -15,8 +15,8 @@ import torch
 
 import numpy_ref as ref
 from helpers import TORCH_DTYPES, n2t, owner_sums_rounded_to, same_bits, t2n, two_rank_marker
-from simulation import (BPPS_SPECS, Simulation, bpps_pass_grads, bpps_weights, grads_for_step,
-                        rank_sum)
+from simulation import (BPPS_SPECS, PowerSGDSimulation, Simulation, bpps_pass_grads, bpps_weights,
+                        grads_for_step, rank_sum)
 import hvd_compress as hc
 import hvd_compress.torch as hvdc
 from hvd_compress.torch import Compression
@@ -383,46 +383,6 @@ def test_bad_optimizer_arguments():
 
 
 # ---- PowerSGD -------------------------------------------------------------------------------
-class PowerSGDSimulation:
-    """Both ranks' PowerSGD steps in float64 numpy (the kernels sum in a different order, so
-    results are compared with a tolerance)."""
-
-    def __init__(self, spec, name, world):
-        from hvd_compress.torch.powersgd import PowerSGDState
-        self.cfg = hc.parse_spec(spec)
-        self.st = PowerSGDState.from_config(self.cfg)
-        self.name, self.world = name, world
-        self.e = None
-        self.qt = None
-        self.step = 0
-
-    def __call__(self, grads):
-        from hvd_compress.torch.powersgd import initial_q
-        st, step = self.st, self.step
-        self.step += 1
-        mats = [g.reshape(g.shape[0], -1).astype(np.float64) for g in grads]
-        if step < st.start_iter or not st.compresses(torch.Size(grads[0].shape)):
-            return sum(mats) / self.world
-        rows, cols = mats[0].shape
-        if self.e is None:
-            self.e = [np.zeros_like(m) for m in mats]
-        if self.qt is None or not st.warm_start:
-            self.qt = initial_q(st.seed, self.name, step, st.rank, cols, torch.float64).numpy()
-        if st.error_feedback:
-            mats = [m + e for m, e in zip(mats, self.e)]
-        p = sum(m @ self.qt.T for m in mats)
-        for c in range(st.rank):
-            p[:, c] /= np.linalg.norm(p[:, c]) + st.orthogonalization_epsilon
-            for c2 in range(c + 1, st.rank):
-                p[:, c2] -= (p[:, c] @ p[:, c2]) * p[:, c]
-        qs = [m.T @ p for m in mats]
-        if st.error_feedback:
-            self.e = [m - p @ q.T for m, q in zip(mats, qs)]
-        q = sum(qs) / self.world
-        self.qt = q.T.copy()
-        return p @ q.T
-
-
 def powersgd_optimizer(spec, shapes, dtype=torch.float32):
     params = [(f"p{i}", torch.nn.Parameter(torch.zeros(s, dtype=dtype))) for i, s in enumerate(shapes)]
     opt = hvdc.DistributedOptimizer(torch.optim.SGD([p for _, p in params], lr=0.0),

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import os
 
-import hvd_compress as hc
-
 # Every kind of state: residuals (with the sign codecs' carries), the compressed allreduce's
 # owner residuals, worker momentum, random-k's seeded draws, DGC's velocity and accumulator,
 # PowerSGD's Q and error, threshold's variable-size payloads.
@@ -17,10 +15,6 @@ SPECS = ["onebit,ef=vanilla", "topk,k=0.01,ef=vanilla", "randomk,k=0.01,ef=vanil
 STEPS = int(os.environ.get("HVDC_SOAK_STEPS", "2000"))
 WARM = min(200, STEPS // 3)  # allocators and caches settle by then
 GROWTH = 0.05
-
-
-def specs_for(frontend: str) -> list[str]:
-    return [s for s in SPECS if frontend in hc.parse_spec(s).info.frontends]
 
 
 def resident_bytes() -> int:

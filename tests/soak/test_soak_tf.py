@@ -7,14 +7,14 @@ import pytest
 import tensorflow as tf
 
 from helpers import two_rank_marker
-from soak import STEPS, WARM, check_flat, resident_bytes, specs_for
+from soak import SPECS, STEPS, WARM, check_flat, resident_bytes
 import hvd_compress.tensorflow.keras as hvdk
 
 hvd.init()
 pytestmark = [two_rank_marker(hvd.size()), pytest.mark.slow]
 
 
-@pytest.mark.parametrize("spec", specs_for("tensorflow"))
+@pytest.mark.parametrize("spec", SPECS)
 def test_resident_memory_stays_flat(spec):
     tf.keras.utils.set_random_seed(0)
     model = tf.keras.Sequential([tf.keras.layers.Dense(1024, input_shape=(1024,))])

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from helpers import two_rank_marker
-from soak import STEPS, WARM, check_flat, resident_bytes, specs_for
+from soak import SPECS, STEPS, WARM, check_flat, resident_bytes
 import hvd_compress.torch as hvdc
 
 hvd.init()
@@ -16,7 +16,7 @@ pytestmark = [two_rank_marker(hvd.size()), pytest.mark.slow]
 torch.set_num_threads(1)
 
 
-@pytest.mark.parametrize("spec", specs_for("torch"))
+@pytest.mark.parametrize("spec", SPECS)
 def test_resident_memory_stays_flat(spec):
     torch.manual_seed(0)
     model = torch.nn.Linear(1024, 1024)  # 1.05M parameters

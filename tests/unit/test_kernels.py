@@ -342,3 +342,15 @@ def test_minmax8_levels_bounds_and_nan():
         seg = y[s:s + 500]
         half = (seg.max() - seg.min()) / 255 / 2
         assert ((dec[s:s + 500] - seg).abs() <= half * 1.001 + 1e-7).all()
+
+
+def test_powersgd_initial_q_is_a_standard_normal_draw_of_seed_name_and_step():
+    """PowerSGD's first Q comes from a kernel, not torch's generator, so any frontend draws the
+    same: standard normals, a pure function of (seed, name, step), float32 the rounded float64."""
+    from hvd_compress.torch.powersgd import initial_q
+    q = initial_q(3, "layer/w", 7, 4, 50000, torch.float64)
+    assert abs(q.mean().item()) < 0.01 and abs(q.std().item() - 1.0) < 0.01
+    assert abs((q.abs() > 1.96).double().mean().item() - 0.05) < 0.005
+    assert torch.equal(q, initial_q(3, "layer/w", 7, 4, 50000, torch.float64))
+    assert not torch.equal(q, initial_q(3, "layer/w", 8, 4, 50000, torch.float64))
+    assert torch.equal(initial_q(3, "layer/w", 7, 4, 50000, torch.float32), q.float())

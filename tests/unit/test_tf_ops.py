@@ -7,15 +7,18 @@ import torch
 
 from helpers import random_grad
 import hvd_compress as hc
+from hvd_compress.seeds import seed_base
 from hvd_compress.tensorflow import Compression
-from hvd_compress.tensorflow.codec import TFAdapter, TFCodec
+from hvd_compress.tensorflow.codec import TFAdapter, TFCodec, _signed64
+from hvd_compress.torch import _C
 from hvd_compress.torch.codec import TorchAdapter, TorchCodec
 
 TF_DTYPES = {"float32": tf.float32, "float16": tf.float16, "bfloat16": tf.bfloat16,
              "float64": tf.float64}
 SPECS = ["none", "fp16", "bf16", "onebit,ef=vanilla", "signsgd,momentum=nesterov", "efsignsgd",
          "topk,k=0.05,ef=vanilla,momentum=nesterov", "randomk,k=0.1,ef=vanilla,seed=4",
-         "minmax8,chunk=300,ef=vanilla"]
+         "minmax8,chunk=300,ef=vanilla", "threshold,threshold=0.7,ef=vanilla",
+         "dgc,k=0.05,momentum_factor=0.7,clip_norm=3.3"]
 
 
 def to_tf(t: torch.Tensor, dtype: str) -> tf.Tensor:
@@ -35,8 +38,9 @@ def torch_bytes(t: torch.Tensor) -> bytes:
 @pytest.mark.parametrize("spec", SPECS)
 def test_tf_and_torch_give_identical_bytes(spec, dtype):
     cfg = hc.parse_spec(spec)
-    tfc = TFCodec(cfg, hc.StateStore(TFAdapter()))
-    thc = TorchCodec(cfg, hc.StateStore(TorchAdapter()))
+    # two ranks: threshold's payloads are gathered back to back, and the codec says how many
+    tfc = TFCodec(cfg, hc.StateStore(TFAdapter()), world=2)
+    thc = TorchCodec(cfg, hc.StateStore(TorchAdapter()), world=2)
     for step in range(3):
         g = random_grad(1000, dtype, seed=step).view(20, 50)
         a = tfc.encode("layer/w", to_tf(g, dtype), prescale=0.5)
@@ -47,8 +51,8 @@ def test_tf_and_torch_give_identical_bytes(spec, dtype):
         else:
             # a second rank's payload, from fresh state on each side
             other = random_grad(1000, dtype, seed=50 + step).view(20, 50)
-            a2 = TFCodec(cfg, hc.StateStore(TFAdapter())).encode("x", to_tf(other, dtype))
-            b2 = TorchCodec(cfg, hc.StateStore(TorchAdapter())).encode("x", other)
+            a2 = TFCodec(cfg, hc.StateStore(TFAdapter()), world=2).encode("x", to_tf(other, dtype))
+            b2 = TorchCodec(cfg, hc.StateStore(TorchAdapter()), world=2).encode("x", other)
             da = tfc.aggregate(tf.concat([a.payload, a2.payload], 0), a, 0.5)
             db = thc.aggregate(torch.cat([b.payload, b2.payload]), b, 0.5)
         assert tf_bytes(da) == torch_bytes(db), f"decoded, step {step}"
@@ -99,6 +103,33 @@ def test_state_round_trips_torch_to_tf_to_torch():
         assert torch.equal(got, want), kind
 
 
+@pytest.mark.parametrize("spec", ["dgc,k=0.05,momentum_factor=0.8,clip_norm=4.1,warmup_steps=3",
+                                  "threshold,threshold=0.9,ef=vanilla"])
+def test_codec_state_round_trips_torch_to_tf_to_torch(spec):
+    """DGC's velocity and accumulator (and its step count, which the warm-up reads), and
+    threshold's residual: saved by torch, continued by TF with the same bytes, and back."""
+    cfg = hc.parse_spec(spec)
+    th = TorchCodec(cfg, hc.StateStore(TorchAdapter(), spec=cfg.canonical()))
+    grads = [random_grad(600, "float64", seed=s).view(30, 20) for s in range(5)]
+    for g in grads[:2]:
+        th.encode("w", g.clone())
+    tfc = TFCodec(cfg, hc.StateStore(TFAdapter(), spec=cfg.canonical()))
+    tfc.store.load_state_dict(th.store.state_dict())
+    for g in grads[2:4]:
+        a = tfc.encode("w", tf.constant(g.numpy()))
+        b = th.encode("w", g.clone())
+        assert tf_bytes(a.payload) == torch_bytes(b.payload)
+    back = TorchCodec(cfg, hc.StateStore(TorchAdapter(), spec=cfg.canonical()))
+    back.store.load_state_dict(tfc.store.state_dict())
+    if cfg.stepwise:  # TF counts the steps of codecs that read them (the warm-up) only
+        assert back.store.state_dict()["steps"] == th.store.state_dict()["steps"]
+    a, b = back.encode("w", grads[4].clone()), th.encode("w", grads[4].clone())
+    assert torch_bytes(a.payload) == torch_bytes(b.payload)
+    kinds = cfg.info.state_slots or ("ef",)
+    for kind in kinds:
+        assert torch.equal(back.store.peek("w", kind), th.store.peek("w", kind)), kind
+
+
 def test_tf_compressor_protocol():
     x = tf.constant(random_grad(1000, "float32").numpy())
     payload, ctx = Compression.fp16.compress(x)
@@ -126,8 +157,39 @@ def test_tf_bad_inputs():
         topk.aggregate(bad, enc, 0.5)
 
 
-@pytest.mark.parametrize("codec", ["threshold", "dgc"])
-def test_torch_only_codecs_are_refused_with_the_valid_choices(codec):
-    with pytest.raises(ValueError, match=f"codec '{codec}' is available in the PyTorch frontend "
-                                         f"only; TensorFlow codecs: none, fp16"):
-        TFCodec(hc.parse_spec(codec), None)
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
+def test_powersgd_ops_are_the_torch_kernels(dtype):
+    """Every PowerSGD pass as a TF op gives the torch binding's bytes, on a batch of two."""
+    from hvd_compress.tensorflow.ops import lib
+    f64 = dtype == "float64"
+    ftf, fth = (tf.float64, torch.float64) if f64 else (tf.float32, torch.float32)
+    rows, cols, r = 9, 7, 2
+    gs = [random_grad(rows * cols, dtype, seed=s).view(rows, cols) for s in range(2)]
+    es = [random_grad(rows * cols, dtype, seed=10 + s).view(rows, cols) for s in range(2)]
+    qt_th = torch.stack([_C.powersgd_initial_q(hc.derive_seed(4, f"w{i}", 3), r, cols, f64)
+                         for i in range(2)])
+    qt_tf = tf.stack([lib.hvdc_powersgd_initial_q(tf.constant(3, tf.int64), F=ftf, r=r, cols=cols,
+                                                  seed_base=_signed64(seed_base(4, f"w{i}")))
+                      for i in range(2)])
+    assert tf_bytes(qt_tf) == torch_bytes(qt_th)
+    p_tf, m_tf = lib.hvdc_powersgd_project([to_tf(g, dtype) for g in gs],
+                                           [to_tf(e, dtype) for e in es], qt_tf)
+    m_th = [e.clone() for e in es]
+    p_th = torch.empty(2, rows, r, dtype=fth)
+    _C.powersgd_project(gs, m_th, True, qt_th, p_th)
+    assert tf_bytes(p_tf) == torch_bytes(p_th)
+    assert [tf_bytes(m) for m in m_tf] == [torch_bytes(m) for m in m_th]
+    p_tf = lib.hvdc_powersgd_orthogonalize(p_tf, tf.constant(1e-8, tf.float64))
+    _C.powersgd_orthogonalize(p_th, 1e-8)
+    assert tf_bytes(p_tf) == torch_bytes(p_th)
+    q_tf = lib.hvdc_powersgd_back_project(m_tf, p_tf)
+    q_th = torch.empty(2, r, cols, dtype=fth)
+    _C.powersgd_back_project(m_th, p_th, q_th)
+    assert tf_bytes(q_tf) == torch_bytes(q_th)
+    for subtract, alpha in [(True, 1.0), (False, 0.5)]:
+        out_tf = lib.hvdc_powersgd_reconstruct(m_tf, p_tf, q_tf, tf.constant(alpha, tf.float64),
+                                               subtract=subtract)
+        out_th = [m.clone() for m in m_th]
+        _C.powersgd_reconstruct(p_th, q_th, out_th, alpha, subtract)
+        assert [tf_bytes(o) for o in out_tf] == [torch_bytes(o) for o in out_th], subtract
+

@@ -107,6 +107,12 @@ void encode_with_state(CodecId codec, DType dtype, const void* x, void* const* s
 // project: M = g + e (stored into e when ef), P = M Q.
 void powersgd_project(DType dtype, const void* g, void* e, bool ef, int64_t rows, int64_t cols,
                       const void* qt, int64_t r, void* p);
+// The first Qt (r x cols) of a matrix: standard normals drawn from `seed` (derive_seed of the
+// spec's seed, the parameter's name and the step) with no generator state, so every rank and
+// both frontends draw the same. Element i is one of a Box-Muller pair (cos for even i, sin for
+// odd) from two 53-bit uniforms, splitmix64 of seed + (2*(i/2) + 1 or 2) * golden, computed in
+// double and rounded once for float32 factors. dtype is the factor type: kF32 or kF64.
+void powersgd_initial_q(DType dtype, uint64_t seed, int64_t r, int64_t cols, void* qt);
 // Gram-Schmidt on P's columns: each divided by (its norm + eps), later ones made orthogonal.
 void powersgd_orthogonalize(DType dtype, void* p, int64_t rows, int64_t r, double eps);
 // Qt = (M^T P)^T.
