@@ -19,7 +19,8 @@ pytestmark = two_rank_marker(WORLD)
 
 SPECS = ["onebit,ef=vanilla", "topk,k=0.05,ef=vanilla", "efsignsgd",
          "onebit,ef=vanilla,momentum=nesterov,mu=0.9",
-         "topk,k=0.05,ef=vanilla,collective=allreduce"]
+         "topk,k=0.05,ef=vanilla,collective=allreduce", "dgc,k=0.05",
+         "powersgd,rank=2,start_iter=1"]
 BAD_BATCH, BATCH = 3, 16
 
 
