@@ -680,23 +680,23 @@ def _tf_matrix_spec(codec, stateless, collective=None):
     stateless."""
     import hvd_compress as hc
     spec = codec + (f",collective={collective}" if collective else "")
-    if stateless or hc.get_codec(codec).builtin_ef:
+    info = hc.get_codec(codec)
+    if stateless or info.builtin_ef or info.rounds == 2:  # PowerSGD keeps its own residual
         return spec
     return spec + ",ef=vanilla"
 
 
 def _tf_codec_strategies():
-    """Every TensorFlow codec alone and forced onto each other strategy it has (as the torch
+    """Every codec alone and forced onto each other strategy it has (as the torch
     matrix's codec_strategies)."""
     import hvd_compress as hc
     pairs = []
     for c in hc.codecs():
-        if "tensorflow" in c.frontends:
-            pairs.append((c.name, None))
-            if "compressed_allreduce" in c.strategies:
-                pairs.append((c.name, "allreduce"))
-            if "homomorphic" in c.strategies:
-                pairs.append((c.name, "homomorphic"))
+        pairs.append((c.name, None))
+        if "compressed_allreduce" in c.strategies:
+            pairs.append((c.name, "allreduce"))
+        if "homomorphic" in c.strategies:
+            pairs.append((c.name, "homomorphic"))
     return pairs
 
 

@@ -719,19 +719,18 @@ def _matrix_spec(codec, stateless, collective=None):
     return spec if info.builtin_ef or info.rounds == 2 else spec + ",ef=vanilla"
 
 
-def codec_strategies(frontend):
-    """Every codec of the frontend, alone (collective=auto: Horovod's allreduce or the
+def codec_strategies():
+    """Every codec, alone (collective=auto: Horovod's allreduce or the
     allgather at 2 ranks) and forced onto each other strategy it has: collective=allreduce takes
     the compressed allreduce (or for the quantisers the homomorphic one where that is fewer
     bytes), collective=homomorphic the homomorphic allreduce."""
     pairs = []
     for c in hc.codecs():
-        if frontend in c.frontends:
-            pairs.append((c.name, None))
-            if "compressed_allreduce" in c.strategies:
-                pairs.append((c.name, "allreduce"))
-            if "homomorphic" in c.strategies:
-                pairs.append((c.name, "homomorphic"))
+        pairs.append((c.name, None))
+        if "compressed_allreduce" in c.strategies:
+            pairs.append((c.name, "allreduce"))
+        if "homomorphic" in c.strategies:
+            pairs.append((c.name, "homomorphic"))
     return pairs
 
 
@@ -813,7 +812,7 @@ def _kind_twin(spec, kind, steps):
 
 # A layout is undone before any strategy sees the gradient: the other strategies are run on
 # the kinds that reach them.
-MATRIX = [(codec, collective, kind) for codec, collective in codec_strategies("torch")
+MATRIX = [(codec, collective, kind) for codec, collective in codec_strategies()
           for kind in KINDS if not (collective and kind in ("transposed", "channels_last"))]
 
 
