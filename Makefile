@@ -68,7 +68,7 @@ SOAK = for t in tests/soak/test_soak_torch.py tests/soak/test_soak_tf.py; do \
 	  $(LIMIT) env HVDC_SOAK_STEPS=$(1) $(MPIRUN) -x HVDC_SOAK_STEPS $(PY) $(PYTEST) --timeout=1800 $$t \
 	  || exit 1; done
 test-soak: $(STAMP)
-	@$(call SOAK,100)
+	@$(call SOAK,300)
 
 soak: $(STAMP)
 	@$(call SOAK,2000)
