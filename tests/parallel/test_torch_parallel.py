@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import numpy_ref as ref
-from helpers import TORCH_DTYPES, n2t, same_bits, t2n, two_rank_marker
+from helpers import TORCH_DTYPES, join_specs, n2t, same_bits, t2n, two_rank_marker
 from simulation import Simulation, grads_for_step, rank_sum
 import hvd_compress as hc
 import hvd_compress.torch as hvdc
@@ -684,26 +684,7 @@ def test_non_contiguous_gradients_reduce_like_a_contiguous_twin(spec, kind):
         assert torch.equal(got, want)
 
 
-def join_specs():
-    """Every torch codec, error feedback on where it takes one, under each strategy it has."""
-    specs = []
-    for info in hc.codecs():
-        if "torch" not in info.frontends:
-            continue
-        spec = info.name
-        if not any(setting == "ef=vanilla" for setting, _ in info.rejects):
-            spec += ",ef=vanilla"
-        if any(p.name == "start_iter" for p in info.params):
-            spec += ",start_iter=0"
-        specs.append(spec)
-        if "compressed_allreduce" in info.strategies:
-            specs.append(spec + ",collective=allreduce")
-        if "homomorphic" in info.strategies:
-            specs.append(spec + ",collective=homomorphic")
-    return specs
-
-
-@pytest.mark.parametrize("spec", join_specs())
+@pytest.mark.parametrize("spec", join_specs("torch"))
 def test_join_with_uneven_batches(spec):
     """Rank 1 runs out of data after one step and joins; rank 0 takes two more steps alone.
     Those steps reduce as Horovod's own optimizer does under join (rank 1 adds zeros, the
