@@ -56,6 +56,25 @@ def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
 
 
+def join_specs() -> list[str]:
+    """Every codec, error feedback on where it takes one, under each strategy it has (the join
+    tests)."""
+    import hvd_compress as hc
+    specs = []
+    for info in hc.codecs():
+        spec = info.name
+        if not any(setting == "ef=vanilla" for setting, _ in info.rejects):
+            spec += ",ef=vanilla"
+        if any(p.name == "start_iter" for p in info.params):
+            spec += ",start_iter=0"
+        specs.append(spec)
+        if "compressed_allreduce" in info.strategies:
+            specs.append(spec + ",collective=allreduce")
+        if "homomorphic" in info.strategies:
+            specs.append(spec + ",collective=homomorphic")
+    return specs
+
+
 def two_rank_marker(world: int):
     """Skip in a plain single-process pytest (no second rank to talk to). `make test` launches
     these modules with 2 ranks and sets HVDC_TWO_RANKS=1, where any other world size is an

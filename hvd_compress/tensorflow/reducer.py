@@ -99,6 +99,7 @@ class Reducer:
         self._writer = None
         # name -> [sent bytes, wire bytes] of a variable-size payload, written by traced steps
         self._measured: dict[str, tf.Variable] = {}
+        self._all_stepping = None  # this step's count of stepping ranks, once made
         self.nodes, self.groups = None, {None: process_set}
         if config.hierarchical:
             self.nodes, local, cross = node_process_sets(process_set)
@@ -129,6 +130,7 @@ class Reducer:
             grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
                      for g in grads]
         names = names or [parameter_name(v, i) for i, v in enumerate(variables)]
+        self._all_stepping = None
         self.store.begin()
         try:
             units = self._rescale()
@@ -323,10 +325,11 @@ class Reducer:
             self.stats.record(name, "powersgd", nbytes, sent, collectives.ALLREDUCE,
                               _ring_allreduce_bytes(sent, self.process_set.size()))
 
-        # CompressionScheduleCallback flips `enabled`; every rank takes the same branch.
+        # CompressionScheduleCallback flips `enabled`, and hvd.join() leaves ranks out of the
+        # step; every rank takes the same branch.
         reduced = tf.cond(
-            self.enabled, lambda: self._by_name(self.powersgd.reduce(items, self._plain, record),
-                                                items),
+            tf.logical_and(self.enabled, self._no_rank_joined()),
+            lambda: self._by_name(self.powersgd.reduce(items, self._plain, record), items),
             lambda: [self._plain(grad, opname + ".off") for _, opname, grad in items])
         position = {name: i for i, name in enumerate(names)}
         for (name, _, _), g in zip(items, reduced):
@@ -382,8 +385,35 @@ class Reducer:
             self.stats.record(name, info.name, nbytes, sent, job.strategy, wire)
             return reduced
 
-        # CompressionScheduleCallback flips `enabled`; every rank takes the same branch.
-        return tf.cond(self.enabled, compressed, lambda: self._plain(grad, opname + ".plain"))
+        # CompressionScheduleCallback flips `enabled`, and hvd.join() leaves ranks out of the
+        # step; every rank takes the same branch.
+        return tf.cond(tf.logical_and(self.enabled, self._no_rank_joined()), compressed,
+                       lambda: self._plain(grad, opname + ".plain"))
+
+    def _no_rank_joined(self):
+        """Whether every rank of the set takes part in this step: none waits in hvd.join().
+
+        A joined rank takes part in allreduces only, adding zeros: Horovod refuses allgather
+        and alltoall once a rank has joined (the others hang or raise), and a joined rank's
+        zeros would corrupt the homomorphic sum (code 0 is the lowest level, not zero). So
+        each stepping rank counts itself once per step, by an allreduce of a one; every rank
+        gets the same count and takes the same branch. While a rank is joined, compressed
+        gradients go by Horovod's plain allreduce, as Horovod's own optimizer sends them, and
+        no compression state is read or written, step counters included: the joined rank's
+        state cannot move, and seeds drawn from the counters must still agree between ranks
+        when all of them step again."""
+        if self._all_stepping is None:
+            ps = self.process_set
+            self._all_stepping = tf.constant(True)
+            if ps.size() > 1:
+                # A one read from a variable: Horovod's ops are not stateful, so in a
+                # tf.function grappler would fold an allreduce of a constant into the count of
+                # the trace's first run.
+                one = tf.cast(tf.not_equal(tf.reshape(self.steps, [1]), -1), tf.int32)
+                ones = hvd.allreduce(one, op=hvd.Sum, process_set=ps,
+                                     name="hvdc.stepping_ranks")
+                self._all_stepping = tf.equal(ones[0], ps.size())
+        return self._all_stepping
 
     def state_dict(self) -> dict:
         self.codec.settle()

@@ -70,6 +70,7 @@ class _CompressedReduction:
         self._hvdc_codec_ns = _C.codec_time_ns()  # the kernels' clock is per process
         self._hvdc_writer = None
         self._hvdc_synced = False  # synchronized and finite: committed by step()
+        self._hvdc_active = None  # ranks stepping (not joined) this step, once counted
         # A rank outside the process set steps on its own gradients, as with Horovod's
         # optimizer (which registers no hooks there): nothing of the set is asked of it.
         member = process_set.included()
@@ -102,6 +103,7 @@ class _CompressedReduction:
             if scaler is not None and scaler.is_enabled():  # the scale these gradients carry
                 self._hvdc_store.rescale(float(scaler.get_scale()),
                                          self._hvdc_config.info.scale_free_slots)
+            self._hvdc_active = None
         if p.grad is None:
             p.grad = p.data.new(p.size()).zero_()
         if not p.grad.is_sparse and not p.grad.is_contiguous():
@@ -112,14 +114,8 @@ class _CompressedReduction:
         name = self._parameter_names.get(p)
         if (grad.is_sparse or self._hvdc_config.codec == "none" or grad.dtype not in DTYPE_NAMES
                 or grad.numel() * grad.element_size() < self._hvdc_min_bytes
-                or grad.dim() < self._hvdc_codec.info.min_dim):
-            handle, ctx = self._hvdc_plain_allreduce_async(p)
-            if not grad.is_sparse:
-                nbytes = grad.numel() * grad.element_size()
-                self._hvdc_stats.record(name, "none", nbytes, nbytes, collectives.ALLREDUCE,
-                                        _ring_allreduce_bytes(nbytes, self.process_set.size()))
-            return handle, ctx
-
+                or grad.dim() < self._hvdc_codec.info.min_dim or self._hvdc_joined()):
+            return self._hvdc_plain(p, name, grad)
         if self._hvdc_powersgd is not None:
             return self._powersgd_grad_async(p, name, grad)
         ps = self.process_set
@@ -147,14 +143,42 @@ class _CompressedReduction:
                                       process_set=self.process_set)
         return (lambda: hvd.synchronize(handle).to(grad.dtype)), None
 
+    def _hvdc_plain(self, p, name, grad):
+        """Horovod's own allreduce of the uncompressed gradient, recorded in the statistics."""
+        handle, ctx = self._hvdc_plain_allreduce_async(p)
+        if not grad.is_sparse:
+            nbytes = grad.numel() * grad.element_size()
+            self._hvdc_stats.record(name, "none", nbytes, nbytes, collectives.ALLREDUCE,
+                                    _ring_allreduce_bytes(nbytes, self.process_set.size()))
+        return handle, ctx
+
+    def _hvdc_joined(self) -> bool:
+        """Whether a rank of the set has called hvd.join() and waits there this step.
+
+        A joined rank takes part in allreduces only, adding zeros: Horovod refuses allgather
+        and alltoall once a rank has joined (the others hang or raise), and a joined rank's
+        zeros would corrupt the homomorphic sum (code 0 is the lowest level, not zero) and
+        PowerSGD's shared Q. So each stepping rank counts itself once per step, by an allreduce
+        of a one; every rank gets the same count and routes the step alike. While a rank is
+        joined, compressed gradients go through Horovod's plain allreduce, as Horovod's own
+        optimizer sends them, and no compression state is read or written, step counters
+        included: the joined rank's state cannot move, and seeds and warm start drawn from the
+        counters must still agree between ranks when all of them step again."""
+        ps = self.process_set
+        if self._hvdc_active is None:
+            self._hvdc_active = ps.size()
+            if ps.size() > 1:
+                ones = torch.ones(1, dtype=torch.int32)
+                self._hvdc_active = int(hvd.allreduce(ones, op=hvd.Sum, process_set=ps,
+                                                      name="hvd_compress.active_ranks"))
+        return self._hvdc_active < ps.size()
+
     def _powersgd_grad_async(self, p, name, grad):
         step = self._hvdc_powersgd.compressed_step(name, grad)
+        if step is None:
+            return self._hvdc_plain(p, name, grad)
         nbytes = grad.numel() * grad.element_size()
         world = self.process_set.size()
-        if step is None:
-            self._hvdc_stats.record(name, "none", nbytes, nbytes, collectives.ALLREDUCE,
-                                    _ring_allreduce_bytes(nbytes, world))
-            return self._hvdc_plain_allreduce_async(p)
         member = self._hvdc_powersgd.start(name, grad, step)
         sent = member.sent_elements * (8 if grad.dtype == torch.float64 else 4)
         self._hvdc_stats.record(name, "powersgd", nbytes, sent, collectives.ALLREDUCE,

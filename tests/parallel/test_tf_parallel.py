@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from helpers import owner_sums_rounded_to, same_bits, tensorboard_scalars, two_rank_marker
+from helpers import (join_specs, owner_sums_rounded_to, same_bits, tensorboard_scalars,
+                     two_rank_marker)
 from simulation import (BPPS_SPECS, PowerSGDSimulation, Simulation, bpps_pass_grads, bpps_weights,
                         grads_for_step)
 import hvd_compress as hc
@@ -803,3 +804,62 @@ def test_bfloat16_gradients_in_a_tf_function(codec):
         assert g.dtype == tf.bfloat16
         assert same_bits(tf.cast(g, tf.float32).numpy(),
                          tf.cast(tf.cast(w, tf.bfloat16), tf.float32).numpy()), f"step {step}"
+
+
+def test_join_with_uneven_batches():
+    """Rank 1 runs out of data after one step and joins; rank 0 takes two more steps alone.
+    Those steps reduce as Horovod's own tape does under join (rank 1 adds zeros, the average
+    divides by the set's size), and no rank's compression state moves, so that once both
+    have joined they step together again and agree. Every codec under each of its strategies,
+    eager and in a tf.function, shares one join: Horovod 0.28.1's TensorFlow join works once
+    per process (a second one returns at once on the rank that joined first, plain
+    hvd.allreduce included)."""
+    import hvd_compress as hc
+    lr, shape = np.float32(0.1), (20, 30)
+    runs = []
+    for spec in join_specs():
+        for graph in (False, True):
+            var = tf.Variable(tf.zeros(shape), name=f"join/{len(runs)}")
+            reducer = hvdt.Reducer(hc.parse_spec(spec), 0, hvd.Average, hvd.global_process_set)
+
+            def step(x, var=var, reducer=reducer):
+                with tf.GradientTape() as tape:
+                    loss = tf.reduce_sum(var * x)
+                var.assign_sub(lr * reducer.reduce(tape.gradient(loss, [var]), [var])[0])
+
+            runs.append((f"{spec} {'function' if graph else 'eager'}", var, reducer,
+                         tf.function(step) if graph else step))
+
+    def batch(i):
+        return np.random.default_rng(100 * i + RANK).standard_normal(shape).astype("float32")
+
+    def step_all(i):
+        for _, _, _, run in runs:
+            run(tf.constant(batch(i)))
+
+    step_all(0)
+    before = [reducer.state_dict() for _, _, reducer, _ in runs]
+    alone = [var.numpy() for _, var, _, _ in runs]
+    if RANK == 0:
+        for i in (1, 2):
+            step_all(i)
+            alone = [w - lr * (batch(i) * np.float32(0.5)) for w in alone]
+        for (what, var, _, _), want in zip(runs, alone):
+            assert np.array_equal(var.numpy(), want), what
+    assert int(hvd.join()) == 0
+    for (what, _, reducer, _), want in zip(runs, before):
+        got = reducer.state_dict()
+        assert got["steps"] == want["steps"], what
+        assert got["slots"].keys() == want["slots"].keys(), what
+        for name, kinds in want["slots"].items():
+            assert got["slots"][name].keys() == kinds.keys(), what
+            for kind, arr in kinds.items():
+                assert same_bits(got["slots"][name][kind], arr), (what, name, kind)
+    # Rank 1 missed rank 0's updates, as under Horovod's own tape: the weights are broadcast,
+    # and the ranks' step counters must still agree.
+    for _, var, _, _ in runs:
+        var.assign(hvd.broadcast(var, 0, name="join.broadcast"))
+    step_all(3)
+    for what, var, _, _ in runs:
+        rows = hvd.allgather(tf.reshape(var, [1, -1]), name="join.weights")
+        assert np.array_equal(rows[0].numpy(), rows[1].numpy()), what

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import numpy_ref as ref
-from helpers import TORCH_DTYPES, n2t, owner_sums_rounded_to, same_bits, t2n, two_rank_marker
+from helpers import (TORCH_DTYPES, join_specs, n2t, owner_sums_rounded_to, same_bits, t2n,
+                     two_rank_marker)
 from simulation import (BPPS_SPECS, PowerSGDSimulation, Simulation, bpps_pass_grads, bpps_weights,
                         grads_for_step, rank_sum)
 import hvd_compress as hc
@@ -892,3 +893,39 @@ def test_every_codec_on_a_rank_outside_the_process_set(codec):
             assert torch.equal(p.grad, g)
         with opt.skip_synchronize():
             opt.step()
+
+@pytest.mark.parametrize("spec", join_specs())
+def test_join_with_uneven_batches(spec):
+    """Rank 1 runs out of data after one step and joins; rank 0 takes two more steps alone.
+    Those steps reduce as Horovod's own optimizer does under join (rank 1 adds zeros, the
+    average divides by the set's size), and no rank's compression state moves, so that once
+    both have joined they step together again and agree."""
+    lr, shape = 0.1, (20, 30)
+    w = torch.nn.Parameter(torch.zeros(shape))
+    opt = hvdc.DistributedOptimizer(torch.optim.SGD([w], lr=lr), named_parameters=[("w", w)],
+                                    compression=spec, min_compress_bytes=0)
+
+    def batch(step):
+        return torch.randn(shape, generator=torch.Generator().manual_seed(100 * step + RANK))
+
+    def step(i):
+        opt.zero_grad()
+        (w * batch(i)).sum().backward()
+        opt.step()
+
+    step(0)
+    before = opt.compression_state_dict()
+    alone = w.detach().clone()
+    if RANK == 0:
+        for i in (1, 2):
+            step(i)
+            alone.add_(batch(i) * 0.5, alpha=-lr)
+        assert torch.equal(w.detach(), alone)
+    assert hvd.join() == 0
+    assert_same_state(opt.compression_state_dict(), before)
+    # Rank 1 missed rank 0's updates, as under Horovod's own optimizer: the weights are
+    # broadcast, and the ranks' states (step counters, PowerSGD's Q) must still agree.
+    hvd.broadcast_parameters({"w": w}, root_rank=0)
+    step(3)
+    rows = hvd.allgather(w.detach().view(1, -1), name="join.weights")
+    assert torch.equal(rows[0], rows[1])
