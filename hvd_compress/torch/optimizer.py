@@ -103,7 +103,8 @@ class _CompressedReduction:
             if scaler is not None and scaler.is_enabled():  # the scale these gradients carry
                 self._hvdc_store.rescale(float(scaler.get_scale()),
                                          self._hvdc_config.info.scale_free_slots)
-            self._hvdc_active = None
+        if self._hvdc_config.codec != "none":
+            self._hvdc_joined()  # first, on every rank: see synchronize()
         if p.grad is None:
             p.grad = p.data.new(p.size()).zero_()
         if not p.grad.is_sparse and not p.grad.is_contiguous():
@@ -186,6 +187,10 @@ class _CompressedReduction:
         return member, None
 
     def synchronize(self):
+        # Every rank's first collective of a step is the count of stepping ranks: made at its
+        # first gradient, or here by a rank that had none (the others are waiting on it).
+        if self._hvdc_config.codec != "none":
+            self._hvdc_joined()
         nowhere = self._hvdc_without_gradient()
         # Gradients that only other ranks computed: zeros go in their place, as in Horovod's
         # optimizer, issued before any batch below is closed so that PowerSGD's batches hold the
@@ -204,6 +209,7 @@ class _CompressedReduction:
             _DistributedOptimizer.synchronize(self)
         finally:
             self._requires_update = everything
+        self._hvdc_active = None  # counted again next step
         if self._hvdc_powersgd is not None:
             self._hvdc_powersgd.end_step()
         store = self._hvdc_store
