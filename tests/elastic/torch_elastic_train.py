@@ -3,7 +3,7 @@ rewrites (tests/elastic/test_elastic.py starts it):
 
     2 ranks ("localhost:1", "127.0.0.1:1": two names of this machine, so that the failed one can
     be blacklisted without losing the other) -> the worker on 127.0.0.1 removes its host from
-    the discovery output and dies at step KILL_AT -> 1 rank -> at step GROW_AT rank 0 adds a
+    the discovery output and dies (or, HVDC_ELASTIC_MODE=remove, is let go) at step KILL_AT -> 1 rank -> at step GROW_AT rank 0 adds a
     second slot on localhost -> 2 ranks until STEPS.
 
 After every sync (the start of each call of train(), named by the step it resumes at) and at the end, each rank writes its
@@ -20,6 +20,9 @@ import torch
 import hvd_compress.torch as hvdc
 
 OUT, HOSTS, SPEC = sys.argv[1], os.environ["HVDC_ELASTIC_HOSTS"], sys.argv[2]
+# kill: the worker dies (a failure: restore, then sync); remove: its host leaves the discovery
+# output and it is let go (Horovod skips the sync when workers were only removed).
+MODE = os.environ.get("HVDC_ELASTIC_MODE", "kill")
 KILL_AT, GROW_AT, STEPS = 4, 8, 14
 
 hvd.init()
@@ -45,6 +48,16 @@ def write_hosts(text):
     os.replace(HOSTS + ".tmp", HOSTS)
 
 
+def wait_for_hosts(state):
+    # Held here until the driver has seen the new hosts: check_host_updates() raises
+    # HostsUpdatedInterrupt then, and the reset brings in the new world.
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        time.sleep(0.2)
+        state.check_host_updates()
+    raise RuntimeError("the discovery script's change never came")
+
+
 @hvd.elastic.run
 def train(state):
     dump(f"sync{state.step}")
@@ -62,17 +75,14 @@ def train(state):
         state.step += 1
         if state.step == KILL_AT and os.environ.get("HOROVOD_HOSTNAME") == "127.0.0.1":
             write_hosts("localhost:1\n")
-            os._exit(17)
+            if MODE == "kill":
+                os._exit(17)
         state.commit()
+        if state.step == KILL_AT and MODE == "remove" and hvd.size() == 2:
+            wait_for_hosts(state)
         if state.step == GROW_AT and hvd.size() == 1:
             write_hosts("localhost:2\n")
-            # Held here until the driver has seen the new slot: check_host_updates() raises
-            # HostsUpdatedInterrupt then, and the reset brings the second rank in.
-            deadline = time.monotonic() + 120
-            while time.monotonic() < deadline:
-                time.sleep(0.2)
-                state.check_host_updates()
-            raise RuntimeError("the added slot never came")
+            wait_for_hosts(state)
     return loss.item()
 
 
