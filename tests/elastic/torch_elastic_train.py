@@ -77,6 +77,8 @@ def train(state):
             write_hosts("localhost:1\n")
             if MODE == "kill":
                 os._exit(17)
+        if state.step == KILL_AT + 1:
+            dump(f"step{state.step}")
         state.commit()
         if state.step == KILL_AT and MODE == "remove" and hvd.size() == 2:
             wait_for_hosts(state)
