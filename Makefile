@@ -13,7 +13,7 @@ PYTEST    := -m pytest -q -p no:cacheprovider --color=no --timeout=300
 # No hang may outlive this: a stuck collective fails the run instead of stalling CI.
 LIMIT     := timeout -k 20 1200
 
-.PHONY: setup test test-unit test-parallel test-ranks test-launcher test-bench test-soak soak test-gpu demo bench bench-quick bench-gpu clean
+.PHONY: setup test test-unit test-parallel test-ranks test-launcher test-elastic test-bench test-soak soak test-gpu demo bench bench-quick bench-gpu clean
 
 setup:
 	bash ci/setup.sh
@@ -23,7 +23,7 @@ $(STAMP): $(SOURCES)
 	bash ci/setup.sh
 	@touch $(STAMP)
 
-test: $(STAMP) test-parallel test-ranks test-unit test-launcher test-bench test-soak
+test: $(STAMP) test-parallel test-ranks test-unit test-launcher test-elastic test-bench test-soak
 
 # torch and TensorFlow suites run as separate jobs: Horovod's torch and TF libraries each keep
 # their own global state and must not be loaded side by side in one process.
@@ -72,6 +72,11 @@ test-soak: $(STAMP)
 
 soak: $(STAMP)
 	@$(call SOAK,2000)
+
+# Elastic Horovod (horovodrun --gloo, a discovery script on localhost): a worker killed and a slot
+# added back; every rank holds the same weights and compression state after each reset.
+test-elastic: $(STAMP)
+	$(LIMIT) $(PY) $(PYTEST) tests/elastic
 
 # The benchmark scripts end to end on tiny sizes (the network one needs root and namespaces).
 test-bench: $(STAMP)

@@ -26,6 +26,7 @@ Tensors under `min_compress_bytes` go through Horovod's plain allreduce, as do s
 """
 from __future__ import annotations
 
+import os
 import warnings
 from typing import Any
 
@@ -40,6 +41,7 @@ from ..stats import CompressionStats
 from . import _C
 from .codec import DTYPE_NAMES, TorchAdapter, TorchCodec, all_finite
 from .powersgd import PowerSGDReduction
+from . import elastic
 from ..compressor import CompressorBase
 from .compression import Compression
 
@@ -98,6 +100,11 @@ class _CompressedReduction:
         if self._hvdc_synced:  # the last step was synchronized but never taken
             self._hvdc_abandon()
         if not self._hvdc_store.in_step:
+            if self._hvdc_follow_world():
+                # Reached without a sync (Horovod skips it when workers were only removed):
+                # every survivor drops its per-rank state alike, so all stay consistent.
+                self.load_compression_state_dict(elastic.shared_part(
+                    self.compression_state_dict()))
             self._hvdc_store.begin()
             scaler = self._hvdc_scaler
             if scaler is not None and scaler.is_enabled():  # the scale these gradients carry
@@ -238,6 +245,23 @@ class _CompressedReduction:
             has = hvd.allreduce(has, op=hvd.Sum, name="hvd_compress.has_gradient",
                                 process_set=ps)
         return {q for q, count in zip(params, has.tolist()) if count == 0}
+
+    def _hvdc_follow_world(self) -> bool:
+        """After an elastic reset Horovod re-initializes with another rank and size: the codec
+        and PowerSGD take them up. True when they changed."""
+        ps = self.process_set
+        if not ps.included():
+            return False
+        rank, world = ps.rank(), ps.size()
+        if (rank, world) == (self._hvdc_codec.rank, self._hvdc_codec.world):
+            return False
+        if self._hvdc_nodes is not None:
+            raise RuntimeError("hierarchical compression cannot follow an elastic resize: its "
+                               "node process sets belong to the old world")
+        self._hvdc_codec = TorchCodec(self._hvdc_config, self._hvdc_store, rank=rank, world=world)
+        if self._hvdc_powersgd is not None:
+            self._hvdc_powersgd.world = world
+        return True
 
     def _hvdc_finite(self) -> bool:
         flags = [all_finite(g._values() if g.is_sparse else g)
@@ -426,14 +450,17 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression="none",
                 warnings.warn(f"{what} in the compression spec replaces the optimizer's own "
                               f"momentum ({group['momentum']}); setting it to 0")
                 group["momentum"] = 0
-    if process_set.included() and process_set.size() > 1:
+    # Under elastic Horovod a worker that joins builds its optimizer while the others wait in
+    # the reset's sync: no collective may run here, and the sync checks the spec instead.
+    if (process_set.included() and process_set.size() > 1
+            and os.environ.get("HOROVOD_ELASTIC") != "1"):
         _check_ranks_agree(config, min_compress_bytes, process_set)
 
     namespace = dict(_DistributedOptimizer.__dict__)
     for key, value in _CompressedReduction.__dict__.items():
         if not key.startswith("__") or key == "__init__":
             namespace[key] = value
-    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), namespace)
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__, elastic.CompressedOptimizer), namespace)
     return cls(optimizer.param_groups, named_parameters, config, min_compress_bytes,
                backward_passes_per_step, op, gradient_predivide_factor, sparse_as_dense,
                process_set, grad_scaler)
