@@ -556,7 +556,10 @@ TF_STATEFUL = ["onebit,ef=vanilla", "signsgd,ef=vanilla", "efsignsgd", "topk,k=0
                "dithering,ef=vanilla", "onebit,ef=vanilla,momentum=nesterov,mu=0.9",
                "signsgd,momentum=nesterov,mu=0.5", "onebit,ef=vanilla,collective=allreduce",
                "topk,k=0.05,ef=vanilla,collective=allreduce",
-               "minmax8,ef=vanilla,collective=allreduce", "fp16,ef=vanilla,collective=allreduce"]
+               "minmax8,ef=vanilla,collective=allreduce", "fp16,ef=vanilla,collective=allreduce",
+               "dgc,k=0.01", "powersgd,rank=2,start_iter=2",
+               "threshold,threshold=0.002,ef=vanilla", "dgc,k=0.05,collective=allreduce",
+               "threshold,threshold=0.002,ef=vanilla,collective=allreduce"]
 
 
 def tf_skip_probe(spec, graph, bad_step=None, value=np.nan, left_out=None, steps=6):
@@ -629,7 +632,9 @@ def test_non_finite_step_is_skipped_once_and_leaves_no_trace(spec, value, graph)
 
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "function"])
 @pytest.mark.parametrize("spec", ["randomk,k=0.01", "topk,k=0.001",
-                                  "topk,k=0.001,collective=allreduce"])
+                                  "topk,k=0.001,collective=allreduce", "dgc,k=0.001",
+                                  "threshold,threshold=100", "dgc,k=0.001,collective=allreduce",
+                                  "threshold,threshold=100,collective=allreduce"])
 def test_sparse_codecs_show_a_non_finite_element_on_every_rank(spec, graph):
     n = 6000
     var = tf.Variable(tf.zeros([n]), name=f"vis_{spec}_{graph}")
