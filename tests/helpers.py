@@ -56,6 +56,22 @@ def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
 
 
+def codec_strategies() -> list[tuple[str, str | None]]:
+    """Every codec, alone (collective=auto: Horovod's allreduce or the allgather at 2 ranks)
+    and forced onto each other strategy it has: collective=allreduce takes the compressed
+    allreduce (or for the quantisers the homomorphic one where that is fewer bytes),
+    collective=homomorphic the homomorphic allreduce (the matrix tests of both frontends)."""
+    import hvd_compress as hc
+    pairs = []
+    for c in hc.codecs():
+        pairs.append((c.name, None))
+        if "compressed_allreduce" in c.strategies:
+            pairs.append((c.name, "allreduce"))
+        if "homomorphic" in c.strategies:
+            pairs.append((c.name, "homomorphic"))
+    return pairs
+
+
 def join_specs() -> list[str]:
     """Every codec, error feedback on where it takes one, under each strategy it has (the join
     tests)."""

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import numpy_ref as ref
-from helpers import (TORCH_DTYPES, join_specs, n2t, owner_sums_rounded_to, same_bits, t2n,
-                     two_rank_marker)
+from helpers import (TORCH_DTYPES, codec_strategies, join_specs, n2t, owner_sums_rounded_to,
+                     same_bits, t2n, two_rank_marker)
 from simulation import (BPPS_SPECS, PowerSGDSimulation, Simulation, bpps_pass_grads, bpps_weights,
                         grads_for_step, rank_sum)
 import hvd_compress as hc
@@ -718,21 +718,6 @@ def _matrix_spec(codec, stateless, collective=None):
     if stateless:
         return spec + (",error_feedback=false" if codec == "powersgd" else "")
     return spec if info.builtin_ef or info.rounds == 2 else spec + ",ef=vanilla"
-
-
-def codec_strategies():
-    """Every codec, alone (collective=auto: Horovod's allreduce or the
-    allgather at 2 ranks) and forced onto each other strategy it has: collective=allreduce takes
-    the compressed allreduce (or for the quantisers the homomorphic one where that is fewer
-    bytes), collective=homomorphic the homomorphic allreduce."""
-    pairs = []
-    for c in hc.codecs():
-        pairs.append((c.name, None))
-        if "compressed_allreduce" in c.strategies:
-            pairs.append((c.name, "allreduce"))
-        if "homomorphic" in c.strategies:
-            pairs.append((c.name, "homomorphic"))
-    return pairs
 
 
 # kind: (parameter shape, dtype, how the parameter is laid out)
