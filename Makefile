@@ -26,12 +26,15 @@ $(STAMP): $(SOURCES)
 test: $(STAMP) test-parallel test-ranks test-unit test-launcher test-elastic test-bench test-soak
 
 # torch and TensorFlow suites run as separate jobs: Horovod's torch and TF libraries each keep
-# their own global state and must not be loaded side by side in one process.
+# their own global state and must not be loaded side by side in one process; TF1 graph mode
+# (eager execution disabled for the whole process) has a job of its own.
 test-parallel: $(STAMP)
 	$(LIMIT) $(HVDRUN) $(PY) $(PYTEST) tests/parallel/test_torch_parallel.py tests/parallel/test_torch_amp.py
 	$(LIMIT) $(MPIRUN) $(PY) $(PYTEST) tests/parallel/test_torch_parallel.py tests/parallel/test_torch_amp.py
 	$(LIMIT) $(HVDRUN) $(PY) $(PYTEST) tests/parallel/test_tf_parallel.py tests/parallel/test_tf_amp.py
 	$(LIMIT) $(MPIRUN) $(PY) $(PYTEST) tests/parallel/test_tf_parallel.py tests/parallel/test_tf_amp.py
+	$(LIMIT) $(HVDRUN) $(PY) $(PYTEST) tests/parallel/test_tf1_graph.py
+	$(LIMIT) $(MPIRUN) $(PY) $(PYTEST) tests/parallel/test_tf1_graph.py
 
 # The collective strategies at every rank count they must scale to, under both launchers (4 and
 # 8 ranks oversubscribe the 2-core CI machine: the tensors are small and the steps few).

@@ -11,7 +11,7 @@ import tensorflow as tf
 
 from .compression import Compression, Compressor
 from .reducer import (DEFAULT_MIN_COMPRESS_BYTES, Reducer, attach, check_horovod_arguments,
-                      drop_optimizer_momentum, new_reducer, pop_horovod_arguments, reducer_for)
+                      new_reducer, pop_horovod_arguments, reducer_for, warn_about_momentum)
 
 __all__ = ["Compression", "Compressor", "DistributedGradientTape", "DistributedOptimizer",
            "PartialDistributedGradientTape", "Reducer", "reducer_for"]
@@ -134,7 +134,7 @@ def DistributedOptimizer(optimizer, compression: Any = "none", op=hvd.Average,
     pop_horovod_arguments(horovod_kwargs)
     reducer = new_reducer(compression, min_compress_bytes, op, process_set,
                           horovod_kwargs.get("sparse_as_dense", False))
-    drop_optimizer_momentum(optimizer, reducer.config)
+    warn_about_momentum(optimizer, reducer.config)
     # Horovod's own, also when `python -m hvd_compress` has put ours in its place.
     opt = inspect.unwrap(hvd.DistributedOptimizer)(optimizer, name=name, op=op,
                                                    process_set=process_set, **horovod_kwargs)

@@ -24,6 +24,18 @@ DTYPE_NAMES = {tf.float32: "float32", tf.float16: "float16", tf.bfloat16: "bfloa
                tf.float64: "float64"}
 
 
+def state_variable(initial, dtype=None, name=None) -> tf.Variable:
+    """A variable of the compression state, made outside any trace from `initial` (a value, or
+    a function making the value there). In a TF1 graph it is also made known to Keras, whose
+    session initialises only the variables it tracks (a user's own session initialises it with
+    the global variables)."""
+    with tf.init_scope():
+        v = tf.Variable(initial() if callable(initial) else initial, dtype=dtype,
+                        trainable=False, name=name)
+        tf.keras.__internal__.backend.track_variable(v)
+    return v
+
+
 def _signed64(u: int) -> int:
     return u - (1 << 64) if u >= (1 << 63) else u
 
@@ -463,8 +475,7 @@ class TFAdapter:
     traced = True
 
     def zeros_like(self, like) -> tf.Variable:
-        with tf.init_scope():
-            return tf.Variable(tf.zeros(like.shape, like.dtype), trainable=False)
+        return state_variable(lambda: tf.zeros(like.shape, like.dtype))
 
     def describe(self, t) -> tuple[tuple[int, ...], str]:
         return tuple(t.shape.as_list()), DTYPE_NAMES.get(t.dtype, t.dtype.name)
@@ -479,12 +490,10 @@ class TFAdapter:
             like.assign(tf.cast(tf.constant(a), like.dtype))
             return like
         # A checkpointed slot first used inside a trace: its value is made where it is kept.
-        with tf.init_scope():
-            return tf.Variable(tf.cast(tf.constant(a), like.dtype), trainable=False)
+        return state_variable(lambda: tf.cast(tf.constant(a), like.dtype))
 
     def new_counter(self, value: int) -> tf.Variable:
-        with tf.init_scope():
-            return tf.Variable(value, dtype=tf.int64, trainable=False)
+        return state_variable(value, tf.int64)
 
     def advance(self, counter: tf.Variable):
         return counter.assign_add(1) - 1
@@ -497,8 +506,7 @@ class TFAdapter:
 
     def backup(self, t: tf.Variable, spare: tf.Variable | None) -> tf.Variable:
         if spare is None:
-            with tf.init_scope():
-                spare = tf.Variable(tf.zeros(t.shape, t.dtype), trainable=False)
+            spare = state_variable(lambda: tf.zeros(t.shape, t.dtype))
         spare.assign(t)
         return spare
 

@@ -16,17 +16,15 @@ from __future__ import annotations
 import inspect
 import os
 import pickle
-import warnings
 from typing import Any
 
 import horovod.tensorflow as hvd
 import horovod.tensorflow.keras as hvd_keras
 import tensorflow as tf
 
-from ..spec import momentum_advice
 from .ops import lib
-from .reducer import (DEFAULT_MIN_COMPRESS_BYTES, Reducer, attach, drop_optimizer_momentum,
-                      new_reducer, pop_horovod_arguments, to_config)
+from .reducer import (DEFAULT_MIN_COMPRESS_BYTES, Reducer, attach, new_reducer,
+                      pop_horovod_arguments, to_config, warn_about_momentum)
 
 
 def DistributedOptimizer(optimizer, compression: Any = "none", op=hvd.Average,
@@ -42,10 +40,7 @@ def DistributedOptimizer(optimizer, compression: Any = "none", op=hvd.Average,
     pop_horovod_arguments(horovod_kwargs)
     reducer = new_reducer(compression, min_compress_bytes, op, process_set,
                           horovod_kwargs.get("sparse_as_dense", False))
-    advice = momentum_advice(reducer.config, float(getattr(optimizer, "momentum", 0) or 0))
-    if advice:
-        warnings.warn(advice)
-    drop_optimizer_momentum(optimizer, reducer.config)
+    warn_about_momentum(optimizer, reducer.config)
     # Horovod's own, also when `python -m hvd_compress` has put ours in its place.
     opt = inspect.unwrap(hvd_keras.DistributedOptimizer)(
         optimizer, name=name, op=op, process_set=process_set, **horovod_kwargs)

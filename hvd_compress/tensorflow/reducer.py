@@ -9,14 +9,15 @@ import warnings
 from typing import Any
 
 import horovod.tensorflow as hvd
+import numpy as np
 import tensorflow as tf
 
 from .. import collectives, stats
 from ..compressor import CompressorBase
-from ..spec import CompressionConfig, parse_spec
+from ..spec import CompressionConfig, momentum_advice, parse_spec
 from ..state import StateStore
 from ..stats import CompressionStats
-from .codec import DTYPE_NAMES, TFAdapter, TFCodec, fields_step
+from .codec import DTYPE_NAMES, TFAdapter, TFCodec, fields_step, state_variable
 from .ops import lib
 from .powersgd import PowerSGDReduction
 
@@ -33,6 +34,32 @@ def parameter_name(var, index: int = 0) -> str:
     except AttributeError:
         return f"source_{index}"
     return name[:-2] if name.endswith(":0") else name
+
+
+def in_plain_graph() -> bool:
+    """TF1 graph mode: eager execution disabled and no tf.function being traced."""
+    return not tf.executing_eagerly() and not tf.compat.v1.get_default_graph().building_function
+
+
+def evaluate(make):
+    """The numpy values of the tensors `make()` builds, now. In a TF1 graph, which has no value
+    until a session runs it, they run in a private graph and session of their own (Horovod's
+    collectives keep no state in a session, so every rank still meets the others)."""
+    with tf.init_scope():
+        if tf.executing_eagerly():
+            return tf.nest.map_structure(lambda t: t.numpy(), make())
+        with tf.Graph().as_default(), tf.compat.v1.Session() as session:
+            return session.run(make())
+
+
+def current(variable) -> np.ndarray:
+    """A variable's value now: eagerly, or in a TF1 graph in the session that trains it (the
+    default session, else Keras')."""
+    with tf.init_scope():
+        if tf.executing_eagerly():
+            return variable.numpy()
+    session = tf.compat.v1.get_default_session() or tf.compat.v1.keras.backend.get_session()
+    return session.run(variable)
 
 
 def to_config(compression: Any) -> CompressionConfig:
@@ -86,16 +113,14 @@ class Reducer:
         self.codec = TFCodec(config, self.store, rank=self._rank(), world=self._world())
         self.powersgd = self._powersgd(config)
         self.stats = CompressionStats()
-        self.enabled = tf.Variable(True, trainable=False, name="hvdc_compression_enabled")
+        self.enabled = state_variable(True, name="hvdc_compression_enabled")
         # A traced step never returns to Python: steps are counted in the graph.
-        self.steps = tf.Variable(0, dtype=tf.int64, trainable=False, name="hvdc_steps")
+        self.steps = state_variable(0, tf.int64, name="hvdc_steps")
         # Dynamic loss scaling: where the gradients' scale is read (track_loss_scale), and the
         # scale the state in gradient units is kept at (0: none seen yet).
         self._loss_scale = None
-        self.units = tf.Variable(0.0, dtype=tf.float64, trainable=False,
-                                 name="hvdc_loss_scale_units")
-        with tf.init_scope():  # the codec clock is read eagerly even when built in a trace
-            self._codec_ns = int(lib.hvdc_codec_time().numpy())
+        self.units = state_variable(0.0, tf.float64, name="hvdc_loss_scale_units")
+        self._codec_ns = int(evaluate(lib.hvdc_codec_time))
         self._writer = None
         # name -> [sent bytes, wire bytes] of a variable-size payload, written by traced steps
         self._measured: dict[str, tf.Variable] = {}
@@ -126,6 +151,12 @@ class Reducer:
         variables' names (Horovod's use_generic_names: positions)."""
         if not self.process_set.included():
             return list(grads)  # as Horovod: a rank outside the process set keeps its own
+        if in_plain_graph():
+            # A TF1 graph runs an assignment only if the train op depends on it: as a
+            # tf.function, the step's state updates are ordered by automatic control
+            # dependencies, as they are in every other mode.
+            return tf.function(lambda g: self.reduce(g, variables, names),
+                               autograph=False)(list(grads))
         if self.sparse_as_dense:
             grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
                      for g in grads]
@@ -209,18 +240,19 @@ class Reducer:
     def refresh_stats(self) -> CompressionStats:
         """The statistics, with the last traced step's bytes of variable-size payloads."""
         for name, measured in self._measured.items():
-            sent, wire = measured.numpy().tolist()
+            sent, wire = current(measured).tolist()
             t = self.stats.tensors[name]
             t.sent_bytes, t.wire_bytes = int(sent), wire
         return self.stats
 
     def compression_report(self) -> dict:
         """Bytes per step, ratio and codec-kernel time since this reducer was built, with the
-        per-tensor statistics (what `python -m hvd_compress` prints and writes)."""
+        per-tensor statistics (what `python -m hvd_compress` prints and writes). In a TF1
+        graph the variables are read in the default session, else in Keras'."""
         self.refresh_stats()
-        return stats.report(self.stats, str(self.config), int(self.steps.numpy()),
-                            int(lib.hvdc_codec_time().numpy()) - self._codec_ns,
-                            compressing=bool(self.enabled.numpy()))
+        return stats.report(self.stats, str(self.config), int(current(self.steps)),
+                            int(evaluate(lib.hvdc_codec_time)) - self._codec_ns,
+                            compressing=bool(current(self.enabled)))
 
     def write_compression_summaries(self, logdir: str) -> None:
         """Write each step's statistics (hvd_compress.stats.SCALARS) as TensorBoard scalars to
@@ -228,8 +260,7 @@ class Reducer:
         Call it on one rank: every rank would write the same files."""
         with tf.init_scope():
             self._writer = tf.summary.create_file_writer(logdir)
-            self._writer_ns = tf.Variable(lib.hvdc_codec_time(), trainable=False,
-                                          name="hvdc_summary_codec_ns")
+            self._writer_ns = state_variable(lib.hvdc_codec_time, name="hvdc_summary_codec_ns")
 
     def _write_step(self, reduced, names):
         tensors = [self.stats.tensors[n] for n in names if n in self.stats.tensors]
@@ -374,9 +405,7 @@ class Reducer:
                     sent, wire = int(sent), float(wire)
                 else:
                     if name not in self._measured:
-                        with tf.init_scope():
-                            self._measured[name] = tf.Variable(
-                                tf.zeros([2], tf.float64), trainable=False)
+                        self._measured[name] = state_variable(lambda: tf.zeros([2], tf.float64))
                     self._measured[name].assign(tf.stack([tf.cast(sent, tf.float64),
                                                           tf.cast(wire, tf.float64)]))
                     sent = info.payload_bytes(job.itemsize, job.n,
@@ -435,7 +464,8 @@ def node_process_sets(process_set):
     as Horovod dynamic process sets, every rank registering every set in the same order."""
     collectives.check_node_sets_possible(process_set is hvd.global_process_set)
     mine = [hvd.local_rank(), hvd.local_size(), hvd.cross_rank(), hvd.cross_size()]
-    layout = hvd.allgather(tf.constant([mine], tf.int32), name="hvdc.node_layout").numpy().tolist()
+    layout = evaluate(lambda: hvd.allgather(tf.constant([mine], tf.int32),
+                                            name="hvdc.node_layout")).tolist()
     return collectives.register_node_sets(layout, hvd.rank(), hvd.add_process_set,
                                           hvd.global_process_set, _node_sets)
 
@@ -453,20 +483,40 @@ def new_reducer(compression: Any, min_compress_bytes: int, op, process_set,
     return reducer
 
 
+def optimizer_momentum(optimizer) -> tuple[str | None, float]:
+    """(attribute, value) of an optimizer's own momentum (Keras: `momentum`, a number or, once
+    its hyperparameters are made, a variable; tf.compat.v1's MomentumOptimizer: `_momentum`),
+    or (None, 0.0) without one."""
+    for attr in ("momentum", "_momentum"):
+        value = getattr(optimizer, attr, None)
+        if isinstance(value, (tf.Variable, tf.Tensor)):
+            value = tf.keras.backend.get_value(value)  # in a TF1 graph, through Keras' session
+        if isinstance(value, (int, float, np.floating, np.integer)):
+            return attr, float(value)
+    return None, 0.0
+
+
+def warn_about_momentum(optimizer, config: CompressionConfig) -> None:
+    """The optimizer's own momentum around the codec: spec.momentum_advice's warning when the
+    two train badly together, then drop_optimizer_momentum."""
+    advice = momentum_advice(config, optimizer_momentum(optimizer)[1])
+    if advice:
+        warnings.warn(advice)
+    drop_optimizer_momentum(optimizer, config)
+
+
 def drop_optimizer_momentum(optimizer, config: CompressionConfig) -> None:
     """A codec that applies momentum itself (DGC's momentum correction) or momentum=nesterov
     would have it applied twice by an optimizer with its own: that one is set to 0 with a
-    warning, as the torch optimizer does (Keras: `momentum`, tf.compat.v1's
-    MomentumOptimizer: `_momentum`)."""
+    warning, as the torch optimizer does."""
     if not (config.momentum == "nesterov" or config.info.replaces_momentum):
         return
     what = config.codec if config.info.replaces_momentum else "momentum=nesterov"
-    for attr in ("momentum", "_momentum"):
-        value = getattr(optimizer, attr, 0)
-        if isinstance(value, (int, float)) and value:
-            warnings.warn(f"{what} in the compression spec replaces the optimizer's own "
-                          f"momentum ({value}); setting it to 0")
-            setattr(optimizer, attr, 0.0)
+    attr, value = optimizer_momentum(optimizer)
+    if value:
+        warnings.warn(f"{what} in the compression spec replaces the optimizer's own "
+                      f"momentum ({value}); setting it to 0")
+        setattr(optimizer, attr, 0.0)
 
 
 def attach(opt, reducer: Reducer):
@@ -499,19 +549,19 @@ def reducer_for(compression: Any, min_compress_bytes: int, op, process_set,
     key = (config, min_compress_bytes, op, process_set.process_set_id, sparse_as_dense)
     if key not in _reducers:
         _reducers[key] = Reducer(config, min_compress_bytes, op, process_set, sparse_as_dense)
-        if tf.executing_eagerly() and process_set.included() and process_set.size() > 1:
+        if process_set.included() and process_set.size() > 1:
             check_ranks_agree(config, min_compress_bytes, process_set)
     return _reducers[key]
 
 
 def check_ranks_agree(config: CompressionConfig, min_bytes: int, process_set) -> None:
     mine = f"{config.canonical()};min_compress_bytes={min_bytes}".encode()
-    blob = hvd.allgather(tf.constant(list(mine), dtype=tf.uint8), name="hvdc.spec_check",
-                         process_set=process_set)
-    sizes = hvd.allgather(tf.constant([len(mine)], tf.int64), name="hvdc.spec_check.sizes",
-                          process_set=process_set)
-    theirs = [bytes(b.numpy().tolist()).decode()
-              for b in tf.split(blob, sizes.numpy().tolist())]
+    blob, sizes = evaluate(lambda: (
+        hvd.allgather(tf.constant(list(mine), dtype=tf.uint8), name="hvdc.spec_check",
+                      process_set=process_set),
+        hvd.allgather(tf.constant([len(mine)], tf.int64), name="hvdc.spec_check.sizes",
+                      process_set=process_set)))
+    theirs = [bytes(b.tolist()).decode() for b in np.split(blob, np.cumsum(sizes)[:-1])]
     if len(set(theirs)) > 1:
         detail = "; ".join(f"rank {r}: {s}" for r, s in enumerate(theirs))
         raise ValueError(f"ranks disagree on the compression spec ({detail}); every rank must "
