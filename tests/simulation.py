@@ -1,6 +1,7 @@
 """Numpy simulation of a codec's whole reduction over all ranks (each rank can compute every
 rank's gradient from seeds), shared by the torch and TensorFlow parallel tests."""
 import numpy as np
+import torch
 
 import numpy_ref as ref
 from helpers import random_grad, t2n
@@ -236,6 +237,53 @@ class PowerSGDSimulation:
         return p @ q.T
 
 
+class PowerSGDKernelSimulation:
+    """Every rank's PowerSGD step on the kernels both frontends call (float32 in, float32 out),
+    with the collectives' sums done here in rank order: the frontends' results bit for bit,
+    where PowerSGDSimulation's float64 arithmetic only comes within a tolerance."""
+
+    def __init__(self, spec, name, world):
+        self.st = PowerSGDState.from_config(hc.parse_spec(spec))
+        self.name, self.world = name, world
+        self.e = None
+        self.qt = None
+        self.step = 0
+
+    def __call__(self, grads):
+        st, step = self.st, self.step
+        self.step += 1
+        shape = grads[0].shape
+        if step < st.start_iter or not st.compresses(shape):
+            return rank_sum(grads) / np.float32(self.world)  # Horovod's allreduce, op=Average
+        rows = shape[0]
+        mats = [torch.from_numpy(g.reshape(rows, -1).copy()) for g in grads]
+        cols = mats[0].shape[1]
+        if self.e is None:
+            self.e = [torch.zeros_like(m) for m in mats]
+        if self.qt is None or not st.warm_start:
+            self.qt = _C.powersgd_initial_q(hc.derive_seed(st.seed, self.name, step), st.rank,
+                                            cols, False)
+        ps = []
+        for r in range(self.world):  # M = G + E (into E), P = M Q
+            ps.append(torch.empty(1, rows, st.rank))
+            _C.powersgd_project([mats[r]], [self.e[r]] if st.error_feedback else [],
+                                st.error_feedback, self.qt[None].clone(), ps[r])
+        m = self.e if st.error_feedback else mats
+        p = torch.from_numpy(rank_sum([t.numpy() for t in ps]))
+        _C.powersgd_orthogonalize(p, st.orthogonalization_epsilon)
+        qs = []
+        for r in range(self.world):  # Q_r = M^T P, E = M - P Q_r^T
+            qs.append(torch.empty(1, st.rank, cols))
+            _C.powersgd_back_project([m[r]], p, qs[r])
+            if st.error_feedback:
+                _C.powersgd_reconstruct(p, qs[r], [m[r]], 1.0, True)
+        q = torch.from_numpy(rank_sum([t.numpy() for t in qs])).mul_(1.0 / self.world)
+        self.qt = q[0].clone()
+        out = torch.empty(rows, cols)
+        _C.powersgd_reconstruct(p, q, [out], 1.0, False)
+        return out.numpy().reshape(shape)
+
+
 def rank_sum(arrays):
     """Rank 0 + rank 1 + ..., as the collective adds (Python's sum() starts at +0, which would
     turn -0.0 into +0.0)."""
@@ -249,24 +297,33 @@ def grads_for_step(n, dtype, step, world):
     return [t2n(random_grad(n, dtype, seed=1000 * step + r)) for r in range(world)]
 
 
-BPPS_SPECS = ["none", "onebit,ef=vanilla", "topk,k=0.05,ef=vanilla"]
+BPPS_SPECS = ["none", "onebit,ef=vanilla", "topk,k=0.05,ef=vanilla",
+              "powersgd,rank=2,start_iter=1"]
+# a matrix, so that PowerSGD factors it (a vector it would send uncompressed)
+BPPS_SHAPE = (60, 50)
 
 
-def bpps_pass_grads(n, step, p, world):
-    return grads_for_step(n, "float32", 100 * step + p, world)
+def bpps_pass_grads(step, p, world, shape=BPPS_SHAPE):
+    n = int(np.prod(shape))
+    return [g.reshape(shape) for g in grads_for_step(n, "float32", 100 * step + p, world)]
 
 
-def bpps_weights(spec, n, steps, passes, lr, world, name="w"):
+def bpps_weights(spec, steps, passes, lr, world, name="w", shape=BPPS_SHAPE):
     """Weights of one float32 parameter after `steps` updates of SGD(lr) with
     backward_passes_per_step=`passes`, from zeros: each rank sums its passes' gradients in pass
     order, the sum goes through the codec once, the update is w - lr * aggregate (lr a power of
     two, so that no framework's fused multiply-add can round differently)."""
-    sim = Simulation(spec, n, "float32", world, name=name)
-    w = np.zeros(n, np.float32)
+    n = int(np.prod(shape))
+    if hc.parse_spec(spec).codec == "powersgd":
+        sim = PowerSGDKernelSimulation(spec, name, world)
+    else:
+        flat = Simulation(spec, n, "float32", world, name=name)
+        sim = lambda gs: flat([g.reshape(-1) for g in gs]).reshape(shape)  # noqa: E731
+    w = np.zeros(shape, np.float32)
     for step in range(steps):
-        acc = bpps_pass_grads(n, step, 0, world)
+        acc = bpps_pass_grads(step, 0, world, shape)
         for p in range(1, passes):
-            acc = [a + g for a, g in zip(acc, bpps_pass_grads(n, step, p, world))]
+            acc = [a + g for a, g in zip(acc, bpps_pass_grads(step, p, world, shape))]
         w = w - np.float32(lr) * sim(acc)
     return w
 

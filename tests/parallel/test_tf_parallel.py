@@ -15,8 +15,8 @@ import tensorflow as tf
 
 from helpers import (codec_strategies, join_specs, owner_sums_rounded_to, same_bits,
                      tensorboard_scalars, two_rank_marker)
-from simulation import (BPPS_SPECS, PowerSGDSimulation, Simulation, bpps_pass_grads, bpps_weights,
-                        grads_for_step)
+from simulation import (BPPS_SHAPE, BPPS_SPECS, PowerSGDSimulation, Simulation, bpps_pass_grads,
+                        bpps_weights, grads_for_step)
 import hvd_compress as hc
 import hvd_compress.tensorflow as hvdt
 import hvd_compress.tensorflow.keras as hvdk
@@ -447,9 +447,9 @@ def test_tf1_style_optimizer_and_stock_keras_optimizer():
 @pytest.mark.parametrize("spec", BPPS_SPECS)
 def test_keras_backward_passes_per_step_weights_equal_simulation(spec):
     """Horovod's helper sums 4 passes locally and the sum is compressed once per update: the
-    numpy weights the PyTorch optimizer's test in test_torch_parallel.py also reaches."""
-    n, steps, passes = 3000, 3, 4
-    w = tf.Variable(tf.zeros([n]), name="w")
+    weights the PyTorch optimizer's test in test_torch_parallel.py also reaches."""
+    steps, passes = 3, 4
+    w = tf.Variable(tf.zeros(BPPS_SHAPE), name="w")
     opt = hvdk.DistributedOptimizer(tf.keras.optimizers.SGD(0.5), compression=spec,
                                     min_compress_bytes=0, backward_passes_per_step=passes)
 
@@ -461,8 +461,8 @@ def test_keras_backward_passes_per_step_weights_equal_simulation(spec):
 
     for step in range(steps):
         for k in range(passes):
-            backward_pass(tf.constant(bpps_pass_grads(n, step, k, WORLD)[RANK]))
-    assert same_bits(w.numpy(), bpps_weights(spec, n, steps, passes, 0.5, WORLD))
+            backward_pass(tf.constant(bpps_pass_grads(step, k, WORLD)[RANK]))
+    assert same_bits(w.numpy(), bpps_weights(spec, steps, passes, 0.5, WORLD))
 
 
 @pytest.mark.parametrize("spec", ["dgc,k=0.02,momentum_factor=0.6", "threshold,threshold=0.8,ef=vanilla"])

@@ -16,8 +16,8 @@ import torch
 import numpy_ref as ref
 from helpers import (TORCH_DTYPES, codec_strategies, join_specs, n2t, owner_sums_rounded_to,
                      same_bits, t2n, two_rank_marker)
-from simulation import (BPPS_SPECS, PowerSGDSimulation, Simulation, bpps_pass_grads, bpps_weights,
-                        grads_for_step, rank_sum)
+from simulation import (BPPS_SHAPE, BPPS_SPECS, PowerSGDSimulation, Simulation, bpps_pass_grads,
+                        bpps_weights, grads_for_step, rank_sum)
 import hvd_compress as hc
 import hvd_compress.torch as hvdc
 from hvd_compress.torch import Compression
@@ -238,19 +238,19 @@ def test_backward_passes_per_step_accumulates_before_compressing():
 
 @pytest.mark.parametrize("spec", BPPS_SPECS)
 def test_backward_passes_per_step_weights_equal_simulation(spec):
-    """The same numpy weights as the Keras optimizer's test in test_tf_parallel.py: both
-    frontends agree bit for bit."""
-    n, steps, passes = 3000, 3, 4
-    p = torch.nn.Parameter(torch.zeros(n))
+    """The same weights as the Keras optimizer's test in test_tf_parallel.py: both frontends
+    agree bit for bit."""
+    steps, passes = 3, 4
+    p = torch.nn.Parameter(torch.zeros(BPPS_SHAPE))
     opt = hvdc.DistributedOptimizer(torch.optim.SGD([p], lr=0.5), named_parameters=[("w", p)],
                                     compression=spec, min_compress_bytes=0,
                                     backward_passes_per_step=passes)
     for step in range(steps):
         opt.zero_grad()
         for k in range(passes):
-            (p * n2t(bpps_pass_grads(n, step, k, WORLD)[RANK], "float32")).sum().backward()
+            (p * n2t(bpps_pass_grads(step, k, WORLD)[RANK], "float32")).sum().backward()
         opt.step()
-    assert same_bits(t2n(p.detach()), bpps_weights(spec, n, steps, passes, 0.5, WORLD))
+    assert same_bits(t2n(p.detach()), bpps_weights(spec, steps, passes, 0.5, WORLD))
 
 
 @pytest.mark.parametrize("spec", ["topk,k=0.1,ef=vanilla,momentum=nesterov", "efsignsgd",

@@ -354,3 +354,17 @@ def test_powersgd_initial_q_is_a_standard_normal_draw_of_seed_name_and_step():
     assert torch.equal(q, initial_q(3, "layer/w", 7, 4, 50000, torch.float64))
     assert not torch.equal(q, initial_q(3, "layer/w", 8, 4, 50000, torch.float64))
     assert torch.equal(initial_q(3, "layer/w", 7, 4, 50000, torch.float32), q.float())
+
+
+@pytest.mark.parametrize("spec", ["powersgd,rank=2,start_iter=1", "powersgd,rank=1,start_iter=0",
+                                  "powersgd,rank=3,start_iter=0,error_feedback=false"])
+def test_powersgd_kernel_simulation_agrees_with_the_float64_one(spec):
+    """The bit-exact oracle of the backward_passes_per_step tests runs the kernels; checked here
+    against the independent float64 numpy simulation, over steps with warm start and EF."""
+    from simulation import PowerSGDKernelSimulation, PowerSGDSimulation, bpps_pass_grads
+    exact, f64 = PowerSGDKernelSimulation(spec, "w", 3), PowerSGDSimulation(spec, "w", 3)
+    for step in range(4):
+        grads = bpps_pass_grads(step, 0, 3)
+        got, want = exact(grads), f64(grads)
+        assert got.dtype == np.float32
+        np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3 * np.abs(want).max())
