@@ -238,9 +238,10 @@ class PowerSGDSimulation:
 
 
 class PowerSGDKernelSimulation:
-    """Every rank's PowerSGD step on the kernels both frontends call (float32 in, float32 out),
-    with the collectives' sums done here in rank order: the frontends' results bit for bit,
-    where PowerSGDSimulation's float64 arithmetic only comes within a tolerance."""
+    """Every rank's PowerSGD step on the kernels both frontends call (in the gradients' dtype,
+    float32 or float64), with the collectives' sums done here in rank order: the frontends'
+    results bit for bit, where PowerSGDSimulation's float64 arithmetic only comes within a
+    tolerance. `e` (per rank) and `qt` are the state the frontends keep."""
 
     def __init__(self, spec, name, world):
         self.st = PowerSGDState.from_config(hc.parse_spec(spec))
@@ -252,20 +253,20 @@ class PowerSGDKernelSimulation:
     def __call__(self, grads):
         st, step = self.st, self.step
         self.step += 1
-        shape = grads[0].shape
+        shape, dtype = grads[0].shape, grads[0].dtype
         if step < st.start_iter or not st.compresses(shape):
-            return rank_sum(grads) / np.float32(self.world)  # Horovod's allreduce, op=Average
+            return rank_sum(grads) * dtype.type(1.0 / self.world)  # Horovod's Average
         rows = shape[0]
         mats = [torch.from_numpy(g.reshape(rows, -1).copy()) for g in grads]
-        cols = mats[0].shape[1]
+        cols, ftype = mats[0].shape[1], mats[0].dtype
         if self.e is None:
             self.e = [torch.zeros_like(m) for m in mats]
         if self.qt is None or not st.warm_start:
             self.qt = _C.powersgd_initial_q(hc.derive_seed(st.seed, self.name, step), st.rank,
-                                            cols, False)
+                                            cols, ftype == torch.float64)
         ps = []
         for r in range(self.world):  # M = G + E (into E), P = M Q
-            ps.append(torch.empty(1, rows, st.rank))
+            ps.append(torch.empty(1, rows, st.rank, dtype=ftype))
             _C.powersgd_project([mats[r]], [self.e[r]] if st.error_feedback else [],
                                 st.error_feedback, self.qt[None].clone(), ps[r])
         m = self.e if st.error_feedback else mats
@@ -273,13 +274,13 @@ class PowerSGDKernelSimulation:
         _C.powersgd_orthogonalize(p, st.orthogonalization_epsilon)
         qs = []
         for r in range(self.world):  # Q_r = M^T P, E = M - P Q_r^T
-            qs.append(torch.empty(1, st.rank, cols))
+            qs.append(torch.empty(1, st.rank, cols, dtype=ftype))
             _C.powersgd_back_project([m[r]], p, qs[r])
             if st.error_feedback:
                 _C.powersgd_reconstruct(p, qs[r], [m[r]], 1.0, True)
         q = torch.from_numpy(rank_sum([t.numpy() for t in qs])).mul_(1.0 / self.world)
         self.qt = q[0].clone()
-        out = torch.empty(rows, cols)
+        out = torch.empty(rows, cols, dtype=ftype)
         _C.powersgd_reconstruct(p, q, [out], 1.0, False)
         return out.numpy().reshape(shape)
 
