@@ -339,15 +339,31 @@ def test_keras_momentum_after_error_feedback_warns_and_spec_momentum_replaces_it
     assert opt.momentum == 0.0
 
 
-def test_tape_sparse_as_dense_compresses_embedding_gradients():
-    table = tf.Variable(tf.reshape(tf.range(40000, dtype=tf.float32), [10000, 4]) * 0 + 1.0,
-                        name="sparse_table")
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "function"])
+def test_tape_sparse_as_dense_compresses_embedding_gradients(graph):
+    table = tf.Variable(tf.ones([10000, 4]), name="sparse_table")
     ids = tf.constant([RANK, 3, 7])
-    with tf.GradientTape() as tape:
-        loss = tf.reduce_sum(tf.gather(table, ids) * float(RANK + 1))
-    tape = hvdt.DistributedGradientTape(tape, compression="fp16", sparse_as_dense=True,
-                                        min_compress_bytes=0)
-    got = tape.gradient(loss, [table])[0]
+
+    def reduced(make):
+        def run():
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(tf.gather(table, ids) * float(RANK + 1))
+            return make(tape).gradient(loss, [table])[0]
+        return (tf.function(run) if graph else run)()
+
+    horovods = reduced(lambda t: hvd.DistributedGradientTape(t, sparse_as_dense=True))
+    plain = reduced(lambda t: hvdt.DistributedGradientTape(t, compression="none",
+                                                          sparse_as_dense=True))
+    assert same_bits(plain.numpy(), horovods.numpy())
+    tape = None
+
+    def ours(t):
+        nonlocal tape
+        tape = hvdt.DistributedGradientTape(t, compression="fp16", sparse_as_dense=True,
+                                            min_compress_bytes=0)
+        return tape
+
+    got = reduced(ours)
     assert isinstance(got, tf.Tensor)  # dense, so the codec (not a plain allgather) carried it
     assert tape.compression_stats.tensors["sparse_table"].codec == "fp16"
     want = np.zeros([10000, 4], np.float32)
@@ -531,15 +547,24 @@ def test_local_sources_and_partial_tape_match_horovods(graph):
 
 def test_eager_tape_over_watched_tensors():
     """Sources that are tensors, not variables, have no name in eager mode: they are known by
-    position (as with use_generic_names), compressed and reduced like variables."""
+    position (as with use_generic_names), compressed and reduced like variables; with `none`
+    exactly what Horovod's tape gives."""
     x = tf.constant(np.arange(40000, dtype=np.float32) * (RANK + 1) / 40000)
-    with tf.GradientTape() as tape:
-        tape.watch(x)
-        loss = tf.reduce_sum(x * x)
-    got = hvdt.DistributedGradientTape(tape, compression="fp16", min_compress_bytes=0)
-    reduced = got.gradient(loss, [x])[0]
+
+    def reduced(make):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            loss = tf.reduce_sum(x * x)
+        tape = make(tape)
+        return tape, tape.gradient(loss, [x])[0]
+
+    _, horovods = reduced(hvd.DistributedGradientTape)
+    _, plain = reduced(lambda t: hvdt.DistributedGradientTape(t, compression="none"))
+    assert same_bits(plain.numpy(), horovods.numpy())
+    got, fp16 = reduced(lambda t: hvdt.DistributedGradientTape(t, compression="fp16",
+                                                               min_compress_bytes=0))
     want = sum(2 * np.arange(40000, dtype=np.float32) * (r + 1) / 40000 for r in range(WORLD))
-    np.testing.assert_allclose(reduced.numpy(), want / WORLD, rtol=2e-3)
+    np.testing.assert_allclose(fp16.numpy(), want / WORLD, rtol=2e-3)
     assert got.compression_stats.tensors["source_0"].codec == "fp16"
 
 
