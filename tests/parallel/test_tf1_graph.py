@@ -134,3 +134,36 @@ def test_keras_fit_in_a_graph_lowers_the_loss_alike_on_every_rank():
     losses = history.history["loss"]
     assert losses[-1] < 0.8 * losses[0]
     assert same_bits(everyone[0], everyone[1])
+
+
+def test_saver_checkpoints_the_compression_state(tmp_path_factory):
+    """The state is global variables: a Saver checkpoint taken after 2 steps, restored into a
+    new graph and session, continues bit for bit as the uninterrupted run: the residual and
+    momentum of steps 1 and 2 are in what step 3 sends."""
+    spec = "topk,k=0.01,ef=vanilla,momentum=nesterov,mu=0.9"
+    path = str(tmp_path_factory.mktemp(f"saver{RANK}") / "model")
+    whole = sgd_steps(ours(spec))
+
+    def graph():
+        w = tf.compat.v1.get_variable("w", SHAPE, initializer=tf.zeros_initializer())
+        g = tf.compat.v1.placeholder(tf.float32, SHAPE)
+        return w, g, ours(spec)().minimize(tf.reduce_sum(w * g), var_list=[w])
+
+    def feed(g, step):
+        return {g: grads_for_step(N, "float32", step, WORLD)[RANK].reshape(SHAPE)}
+
+    with tf.Graph().as_default():
+        w, g, train = graph()
+        saver = tf.compat.v1.train.Saver()
+        assert len(tf.compat.v1.global_variables()) > 1  # w and our state
+        with tf.compat.v1.Session() as session:
+            session.run(tf.compat.v1.global_variables_initializer())
+            for step in range(2):
+                session.run(train, feed(g, step))
+            saver.save(session, path)
+    with tf.Graph().as_default():
+        w, g, train = graph()
+        with tf.compat.v1.Session() as session:
+            tf.compat.v1.train.Saver().restore(session, path)
+            session.run(train, feed(g, 2))
+            assert same_bits(session.run(w).reshape(-1), whole[2])
