@@ -103,6 +103,7 @@ bench: $(STAMP)
 	$(PY) bench/codecs.py
 	$(PY) bench/convergence.py
 	$(PY) bench/scaling.py
+	$(PY) bench/tensors.py
 	$(PY) bench/network.py
 	$(PY) bench/network.py --layout 2x2
 	$(PY) bench/cost_model.py
