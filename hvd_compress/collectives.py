@@ -53,6 +53,7 @@ two-level (`hierarchical=true`, for nodes of several ranks; Horovod's hierarchic
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field, replace
 from typing import Any, Generator, Protocol
@@ -267,6 +268,14 @@ def carry_parts(kind: str) -> int:
 
 
 def _fields(config: CompressionConfig, n: int, step: int, k: int | None) -> tuple:
+    # Every tensor asks for its fields several times a step, and they change with the step
+    # only under a warm-up: cached, so that a model of many small tensors does not pay for
+    # them in Python on every call.
+    return _fields_of(config, n, step if config.stepwise else 0, k)
+
+
+@functools.lru_cache(maxsize=4096)
+def _fields_of(config: CompressionConfig, n: int, step: int, k: int | None) -> tuple:
     f = config.kernel_fields(n, step)
     if k is not None and "k" in f:
         f["k"] = k
@@ -348,20 +357,29 @@ def choose(job: Job) -> str:
         job.strategy = TWO_LEVEL
         job.wire_bytes = _inner(job, None).wire_bytes
         return TWO_LEVEL
-    info = job.info
-    allowed = family(info, job.config.collective, whole(job).field_dict)
-    if job.world == 1 or len(allowed) == 1:
+    job.strategy, job.wire_bytes = _cheapest(job.config, job.n, job.itemsize, job.world,
+                                             job.fields_step if job.config.stepwise else 0)
+    return job.strategy
+
+
+@functools.lru_cache(maxsize=4096)
+def _cheapest(config: CompressionConfig, n: int, itemsize: int, world: int,
+              fields_step: int) -> tuple[str, float]:
+    """(strategy, its wire bytes): the costs depend on sizes only (not on the name or the rank),
+    so every tensor of a shape shares one decision, made once."""
+    job = Job(name="", n=n, itemsize=itemsize, config=config, rank=0, world=world,
+              average=True, opname="", fields_step=fields_step)
+    info = config.info
+    allowed = family(info, config.collective, whole(job).field_dict)
+    if world == 1 or len(allowed) == 1:
         best = allowed[0]
     else:
         parts = chunks(job)
-        costs = [(wire_bytes(s, info, job.itemsize, whole(job), parts, job.world), i, s)
+        costs = [(wire_bytes(s, info, itemsize, whole(job), parts, world), i, s)
                  for i, s in enumerate(allowed)]
         best = min(costs)[2]
-    job.strategy = best
-    job.wire_bytes = wire_bytes(best, info, job.itemsize, whole(job),
-                                chunks(job) if best == COMPRESSED_ALLREDUCE else [],
-                                job.world)
-    return best
+    return best, wire_bytes(best, info, itemsize, whole(job),
+                            chunks(job) if best == COMPRESSED_ALLREDUCE else [], world)
 
 
 # ---- the plans ----------------------------------------------------------------------------------
