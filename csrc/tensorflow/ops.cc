@@ -1,8 +1,10 @@
 // TensorFlow custom ops over the framework-neutral kernels of csrc/cpu. The ops are functional
 // (state in, new state out), so they behave the same eagerly and inside tf.function, and the
 // frontend keeps state in tf.Variables.
+#include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -98,18 +100,56 @@ class CodecOp : public OpKernel {
     tensorflow::int64 base = 0;
     OP_REQUIRES_OK(ctx, ctx->GetAttr("seed_base", &base));
     seed_base_ = static_cast<uint64_t>(base);
+    tensorflow::int64 fraction_bits = 0;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("warmup_steps", &warmup_steps_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("k_fraction", &fraction_bits));
+    std::memcpy(&k_fraction_, &fraction_bits, sizeof(double));
   }
 
  protected:
   hvdc::CodecId codec() const { return static_cast<hvdc::CodecId>(codec_); }
 
-  // Kernel parameters for this call: the seed comes from the step counter tensor.
-  hvdc::Params params_for(OpKernelContext* ctx, int step_input, int prescale_input) const {
+  // Kernel parameters for this call of an n-element tensor: the seed comes from the step
+  // counter tensor, and so does k under a warm-up.
+  hvdc::Params params_for(OpKernelContext* ctx, int step_input, int prescale_input,
+                          int64_t n) const {
     hvdc::Params p = params_;
-    if (step_input >= 0)
-      p.seed = hvdc::step_seed(seed_base_, ctx->input(step_input).scalar<tensorflow::int64>()());
+    if (step_input >= 0) {
+      const tensorflow::int64 step = ctx->input(step_input).scalar<tensorflow::int64>()();
+      p.seed = hvdc::step_seed(seed_base_, step);
+      if (warmup_steps_ > 0) p.k = warmup_kept(n, step);
+    }
     if (prescale_input >= 0) p.prescale = ctx->input(prescale_input).scalar<double>()();
     return p;
+  }
+
+  // DGC's warm-up inside one traced graph, where k cannot be an attribute: the kept count at
+  // this step, by the arithmetic of the registry's CodecInfo.kept (a fraction falling
+  // geometrically from 25% to k over warmup_steps), so that it matches the eager count.
+  int64_t warmup_kept(int64_t n, int64_t step) const {
+    constexpr double kStart = 0.25;
+    double k = k_fraction_;
+    if (k < 1 && step < warmup_steps_ && k < kStart)
+      k = kStart * std::pow(k / kStart, static_cast<double>(step) / warmup_steps_);
+    if (k < 1)
+      return n > 0 ? std::min<int64_t>(n, std::max<int64_t>(1, std::ceil(k * n))) : 0;
+    return std::min<int64_t>(n, static_cast<int64_t>(k));
+  }
+
+  // The kept count whose payload is `stride` bytes, for an op without the step (aggregation
+  // of gathered payloads under a warm-up): payloads grow with k.
+  int64_t kept_for_stride(hvdc::DType d, int64_t n, int64_t stride) const {
+    hvdc::Params p = params_;
+    int64_t lo = 0, hi = n;
+    while (lo < hi) {
+      p.k = lo + (hi - lo) / 2;
+      if (hvdc::payload_bytes(codec(), d, n, p) < stride) lo = p.k + 1; else hi = p.k;
+    }
+    p.k = lo;
+    if (hvdc::payload_bytes(codec(), d, n, p) != stride)
+      throw hvdc::KernelError("gathered payloads of " + std::to_string(stride) +
+                              " bytes per rank match no kept count of this codec");
+    return lo;
   }
 
   bool dtype(OpKernelContext* ctx, const Tensor& t, hvdc::DType* d) {
@@ -150,6 +190,8 @@ class CodecOp : public OpKernel {
   int codec_ = 0;
   hvdc::Params params_;
   uint64_t seed_base_ = 0;
+  tensorflow::int64 warmup_steps_ = 0;
+  double k_fraction_ = 0;
 };
 
 class EncodeOp : public CodecOp {
@@ -160,7 +202,7 @@ class EncodeOp : public CodecOp {
     const Tensor& x = ctx->input(0);
     hvdc::DType d;
     if (!dtype(ctx, x, &d)) return;
-    const hvdc::Params p = params_for(ctx, 1, 2);
+    const hvdc::Params p = params_for(ctx, 1, 2, x.NumElements());
     Tensor* payload = nullptr;
     if (!payload_output(ctx, 0, d, x.NumElements(), p, &payload)) return;
     HVDC_TF_TRY(ctx, hvdc::encode(codec(), d, x.data(), x.NumElements(), p, payload->data()));
@@ -178,7 +220,7 @@ class DecodeOp : public CodecOp {
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({n_}), &out));
     hvdc::DType d;
     if (!dtype(ctx, *out, &d)) return;
-    const hvdc::Params p = params_for(ctx, 1, -1);
+    const hvdc::Params p = params_for(ctx, 1, -1, n_);
     const Tensor& payload = ctx->input(0);
     const double alpha = ctx->input(2).scalar<double>()();
     HVDC_TF_TRY(ctx, {
@@ -210,13 +252,15 @@ class AggregateOp : public CodecOp {
     if (!dtype(ctx, *out, &d)) return;
     const double alpha = ctx->input(1).scalar<double>()();
     HVDC_TF_TRY(ctx, {
-      const int64_t want = hvdc::payload_bytes(codec(), d, n_, params_);
+      hvdc::Params p = params_;
+      if (warmup_steps_ > 0) p.k = kept_for_stride(d, n_, gathered.dim_size(1));
+      const int64_t want = hvdc::payload_bytes(codec(), d, n_, p);
       if (gathered.dim_size(1) != want)
         throw hvdc::KernelError("gathered payloads are " + std::to_string(gathered.dim_size(1)) +
                                 " bytes per rank, the codec needs " + std::to_string(want) +
                                 ": ranks disagree on the tensor size or the codec parameters");
       hvdc::aggregate(codec(), d, gathered.data(), gathered.dim_size(0), gathered.dim_size(1), n_,
-                      params_, out->data(), alpha);
+                      p, out->data(), alpha);
     });
   }
 
@@ -273,7 +317,7 @@ class EfEncodeOp : public CodecOp {
     OP_REQUIRES(ctx, e.dtype() == x.dtype() && e.NumElements() == x.NumElements(),
                 tensorflow::errors::InvalidArgument(
                     "error-feedback residual must match the gradient"));
-    const hvdc::Params p = params_for(ctx, 3, 4);
+    const hvdc::Params p = params_for(ctx, 3, 4, x.NumElements());
     Tensor *payload = nullptr, *e_out = nullptr, *carry_out = nullptr;
     if (!payload_output(ctx, 0, d, x.NumElements(), p, &payload)) return;
     if (!copy_to_output(ctx, 1, e, &e_out) || !copy_to_output(ctx, 2, carry, &carry_out)) return;
@@ -301,7 +345,7 @@ class EncodeWithStateOp : public CodecOp {
     OP_REQUIRES_OK(ctx, ctx->input_list("state", &state));
     tensorflow::OpOutputList state_out;
     OP_REQUIRES_OK(ctx, ctx->output_list("state_out", &state_out));
-    const hvdc::Params p = params_for(ctx, 1 + state.size(), -1);
+    const hvdc::Params p = params_for(ctx, 1 + state.size(), -1, x.NumElements());
     Tensor* payload = nullptr;
     if (!payload_output(ctx, 0, d, x.NumElements(), p, &payload)) return;
     std::vector<void*> ptrs;
@@ -701,9 +745,11 @@ tensorflow::Status payload_shape(InferenceContext* c) {
   TF_RETURN_IF_ERROR(read_params(c, &codec, &p));
   TF_RETURN_IF_ERROR(c->GetAttr("T", &t));
   TF_RETURN_IF_ERROR(c->GetAttr("W", &w));
+  tensorflow::int64 warmup = 0;
+  TF_RETURN_IF_ERROR(c->GetAttr("warmup_steps", &warmup));
   auto x = c->input(0);
   hvdc::DType d;
-  if (!c->FullyDefined(x) || !to_hvdc(t, &d)) {
+  if (!c->FullyDefined(x) || !to_hvdc(t, &d) || warmup > 0) {  // warm-up: k set by the step
     c->set_output(0, c->Vector(InferenceContext::kUnknownDim));
     return tensorflow::OkStatus();
   }
@@ -750,7 +796,9 @@ class CodecTimeOp : public OpKernel {
       .Attr("clip: float = 2.5")                              \
       .Attr("threshold: int = 0")                             \
       .Attr("momentum_factor: int = 0")                       \
-      .Attr("clip_norm: int = 0")
+      .Attr("clip_norm: int = 0")                             \
+      .Attr("warmup_steps: int = 0")                          \
+      .Attr("k_fraction: int = 0")
 
 REGISTER_OP("HvdcEncode")
     .Input("x: T")

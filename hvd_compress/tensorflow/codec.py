@@ -52,16 +52,21 @@ def _double_bits(v: float) -> int:
 
 def fields_step(config: CompressionConfig, step) -> int:
     """The step that kernel fields are computed from (DGC's warm-up), as a Python int: the
-    counter's value when running eagerly. A traced function runs one graph for every step, so
-    fields that change with the step cannot be traced."""
-    if not config.stepwise:
+    counter's value when running eagerly. A traced function runs one graph for every step: its
+    fields are those of step 0, the largest k (the payload's capacity), and the ops compute
+    each step's k from the step input (warmup_attrs)."""
+    if not config.stepwise or not tf.executing_eagerly():
         return 0
-    if not tf.executing_eagerly():
-        raise ValueError(f"{config.codec}: warmup_steps changes k, and so the payload size, at "
-                         f"every step, which one traced tf.function cannot do; run the warm-up "
-                         f"eagerly (Keras: model.compile(..., run_eagerly=True)) or schedule "
-                         f"the density with CompressionScheduleCallback(warmup=...)")
     return int(step)
+
+
+def warmup_attrs(config: CompressionConfig) -> dict:
+    """In a traced step under a warm-up, the op attributes that let the kernels' k follow the
+    step (csrc/tensorflow/ops.cc warmup_kept); none otherwise."""
+    if not config.stepwise or tf.executing_eagerly():
+        return {}
+    params = config.param_dict
+    return {"warmup_steps": params["warmup_steps"], "k_fraction": _double_bits(params["k"])}
 
 
 def check_gradient(t, what: str = "gradient") -> int:
@@ -133,7 +138,8 @@ class TFCodec:
         # The op derives each step's seed from seed_base and its step input, as derive_seed does.
         base = _signed64(seed_base(self.config.seed, seed_key)) if info.uses_seed else 0
         fields = {k: _double_bits(v) if k in _DOUBLE_FIELDS else v for k, v in fields.items()}
-        return {"codec": info.kernel_id, "seed_base": base, **fields}
+        return {"codec": info.kernel_id, "seed_base": base, **fields,
+                **warmup_attrs(self.config)}
 
     def wire_dtype(self, dtype: tf.DType) -> tf.DType:
         if not self.info.linear:
@@ -302,7 +308,7 @@ class TFCodec:
 
     @staticmethod
     def mark_nonfinite(job: Job | None, x, payload):
-        if not payload.shape.num_elements():
+        if payload.shape.num_elements() == 0:
             return payload
         head = tf.where(tf.reduce_all(tf.math.is_finite(x)), payload[:1],
                         tf.constant(np.nan, payload.dtype))
@@ -371,8 +377,10 @@ class TFCodec:
                                              T=job.extra["grad"].dtype, n=part.n, ranks=ranks,
                                              **self._part_attrs(part, info))
         # Payload sizes are static, so the rows are known in a graph too, and empty payloads
-        # (bf16 chunks past the end of a small tensor) need no size inferred.
-        per_rank = info.payload_bytes(job.itemsize, part.n, part.field_dict)
+        # (bf16 chunks past the end of a small tensor) need no size inferred; under a traced
+        # warm-up the size is the step's (every rank's alike), known to the graph only.
+        per_rank = (-1 if warmup_attrs(self.config)
+                    else info.payload_bytes(job.itemsize, part.n, part.field_dict))
         return lib.hvdc_aggregate(tf.reshape(payloads, [ranks, per_rank]),
                                   self._scalar(job, alpha), T=job.extra["grad"].dtype,
                                   n=part.n, **self._part_attrs(part, info))

@@ -17,7 +17,8 @@ from ..compressor import CompressorBase
 from ..spec import CompressionConfig, momentum_advice, parse_spec
 from ..state import StateStore
 from ..stats import CompressionStats
-from .codec import DTYPE_NAMES, TFAdapter, TFCodec, fields_step, state_variable
+from .codec import (DTYPE_NAMES, TFAdapter, TFCodec, fields_step, state_variable,
+                    warmup_attrs)
 from .ops import lib
 from .powersgd import PowerSGDReduction
 
@@ -177,6 +178,20 @@ class Reducer:
         if self._writer is not None:
             self._write_step(reduced, [n for g, n in zip(grads, names) if g is not None])
         return reduced
+
+    def _gather_under_warmup(self, job) -> None:
+        """A traced warm-up step's k is known to the ops only (warmup_attrs): the allgather
+        sends whole payloads of that k, where the other strategies share k out between chunks
+        when the plan is built."""
+        cfg = self.config
+        if cfg.collective != "auto" or cfg.hierarchical:
+            raise ValueError(f"{cfg.codec} with warmup_steps in a traced step travels by "
+                             f"allgather only (collective=auto or allgather, not hierarchical); "
+                             f"run the warm-up eagerly for collective={cfg.collective}"
+                             f"{', hierarchical' if cfg.hierarchical else ''}")
+        job.strategy = collectives.ALLGATHER
+        job.wire_bytes = collectives.wire_bytes(collectives.ALLGATHER, job.info, job.itemsize,
+                                                collectives.whole(job), [], job.world)
 
     def track_loss_scale(self, source) -> None:
         """Gradients arrive multiplied by a dynamic loss scale: `source` (a Keras
@@ -394,6 +409,8 @@ class Reducer:
                                   fields_step=fields_step(self.config, step),
                                   nodes=self.nodes, extra={"grad": grad})
             collectives.choose(job)
+            if warmup_attrs(self.config) and job.strategy != collectives.ALLGATHER:
+                self._gather_under_warmup(job)
             capacity = job.wire_bytes
             reduced = collectives.run_now(collectives.plan(job, self.codec), self._perform)
             sent, wire = job.payload_bytes, job.wire_bytes

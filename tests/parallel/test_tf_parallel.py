@@ -131,12 +131,22 @@ def test_threshold_with_a_rank_sending_nothing():
         assert same_bits(got.numpy(), want), graph
 
 
-def test_dgc_warmup_runs_eagerly_and_is_refused_in_a_trace():
-    """The warm-up changes k (and the payload size) every step: eagerly it equals the
-    simulation (and so torch); one traced graph cannot, and says what to do instead."""
-    weight_and_bias_steps("dgc,k=0.01,warmup_steps=3", graph=False, tag="warm")
-    with pytest.raises(ValueError, match="warmup_steps changes k"):
-        weight_and_bias_steps("dgc,k=0.01,warmup_steps=3", graph=True, tag="warm_f", steps=1)
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "function"])
+def test_dgc_warmup_equals_simulation(graph):
+    """The warm-up changes k (and the payload size) every step: eagerly the plan is built with
+    each step's k; one traced graph serves every step, its ops taking k from the step. Both
+    equal the simulation (and so torch), k falling from 25% over 4 steps then staying."""
+    stats = weight_and_bias_steps("dgc,k=0.01,warmup_steps=4", graph=graph,
+                                  tag=f"warm_{graph}", steps=6)
+    # the last step's bytes: k = 1% of 4200 elements, not the 25% the graph was built for
+    sent = stats.tensors[f"sparse_wwarm_{graph}"].sent_bytes
+    assert sent == hc.get_codec("dgc").payload_bytes(4, 4200, {"k": 42})
+
+
+def test_dgc_warmup_in_a_trace_refuses_strategies_that_split_k():
+    with pytest.raises(ValueError, match="travels by allgather only"):
+        weight_and_bias_steps("dgc,k=0.01,warmup_steps=3,collective=allreduce", graph=True,
+                              tag="warm_ca", steps=1)
 
 
 def test_dgc_turns_the_optimizers_own_momentum_off():
