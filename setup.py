@@ -63,12 +63,14 @@ def torch_extensions():
 
 def find_cuda_home():
     """The CUDA toolkit for builds without torch to ask: $CUDA_HOME, nvcc on PATH, or
-    /usr/local/cuda."""
+    /usr/local/cuda. The headers are checked too: an nvcc on PATH may be a wrapper script
+    outside the toolkit."""
     nvcc = shutil.which("nvcc")
     for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"),
                  nvcc and os.path.dirname(os.path.dirname(os.path.realpath(nvcc))),
                  "/usr/local/cuda"):
-        if home and os.access(os.path.join(home, "bin", "nvcc"), os.X_OK):
+        if (home and os.access(os.path.join(home, "bin", "nvcc"), os.X_OK)
+                and os.path.exists(os.path.join(home, "include", "cuda_runtime_api.h"))):
             return home
     return None
 
