@@ -40,7 +40,8 @@ using hvdc_tf::CpuLaunch;
   }
 
 // Nanoseconds spent inside the codec ops of this process, for CompressionStatsCallback. A
-// Python timer cannot see inside a traced tf.function; the kernels can time themselves.
+// Python timer cannot see inside a traced tf.function; the kernels can time themselves. For the
+// GPU kernels it is host time (launches, and the waits for a payload header), as for torch.
 std::atomic<int64_t> g_codec_ns{0};
 
 class CodecTimer {
