@@ -1,6 +1,12 @@
-// TensorFlow custom ops over the framework-neutral kernels of csrc/cpu. The ops are functional
+// TensorFlow custom ops over the framework-neutral kernels: csrc/cpu, and csrc/cuda for the GPU
+// kernels of a build against a CUDA TensorFlow (GOOGLE_CUDA, launch.h). The ops are functional
 // (state in, new state out), so they behave the same eagerly and inside tf.function, and the
 // frontend keeps state in tf.Variables.
+#if GOOGLE_CUDA && !defined(EIGEN_USE_GPU)
+// Eigen declares its GpuDevice, whose stream the GPU kernels run on, only with this set.
+#define EIGEN_USE_GPU
+#endif
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -10,6 +16,7 @@
 #include <vector>
 
 #include "hvdc/kernels.h"
+#include "launch.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/shape_inference.h"
@@ -23,6 +30,7 @@ using tensorflow::OpKernelContext;
 using tensorflow::Tensor;
 using tensorflow::TensorShape;
 using tensorflow::shape_inference::InferenceContext;
+using hvdc_tf::CpuLaunch;
 
 #define HVDC_TF_TRY(ctx, expr)                                                  \
   try {                                                                         \
@@ -34,7 +42,8 @@ using tensorflow::shape_inference::InferenceContext;
   }
 
 // Nanoseconds spent inside the codec ops of this process, for CompressionStatsCallback. A
-// Python timer cannot see inside a traced tf.function; the kernels can time themselves.
+// Python timer cannot see inside a traced tf.function; the kernels can time themselves. For the
+// GPU kernels it is host time (launches, and the waits for a payload header), as for torch.
 std::atomic<int64_t> g_codec_ns{0};
 
 class CodecTimer {
@@ -194,6 +203,7 @@ class CodecOp : public OpKernel {
   double k_fraction_ = 0;
 };
 
+template <class Launch>
 class EncodeOp : public CodecOp {
  public:
   using CodecOp::CodecOp;
@@ -205,10 +215,11 @@ class EncodeOp : public CodecOp {
     const hvdc::Params p = params_for(ctx, 1, 2, x.NumElements());
     Tensor* payload = nullptr;
     if (!payload_output(ctx, 0, d, x.NumElements(), p, &payload)) return;
-    HVDC_TF_TRY(ctx, hvdc::encode(codec(), d, x.data(), x.NumElements(), p, payload->data()));
+    HVDC_TF_TRY(ctx, Launch(ctx).encode(codec(), d, x.data(), x.NumElements(), p, payload->data()));
   }
 };
 
+template <class Launch>
 class DecodeOp : public CodecOp {
  public:
   explicit DecodeOp(OpKernelConstruction* ctx) : CodecOp(ctx) {
@@ -228,7 +239,7 @@ class DecodeOp : public CodecOp {
       if (static_cast<int64_t>(payload.TotalBytes()) != want)
         throw hvdc::KernelError("payload has " + std::to_string(payload.TotalBytes()) +
                                 " bytes, the codec needs " + std::to_string(want));
-      hvdc::decode(codec(), d, payload.data(), n_, p, out->data(), alpha, false);
+      Launch(ctx).decode(codec(), d, payload.data(), n_, p, out->data(), alpha, false);
     });
   }
 
@@ -236,6 +247,7 @@ class DecodeOp : public CodecOp {
   tensorflow::int64 n_ = 0;
 };
 
+template <class Launch>
 class AggregateOp : public CodecOp {
  public:
   explicit AggregateOp(OpKernelConstruction* ctx) : CodecOp(ctx) {
@@ -259,8 +271,8 @@ class AggregateOp : public CodecOp {
         throw hvdc::KernelError("gathered payloads are " + std::to_string(gathered.dim_size(1)) +
                                 " bytes per rank, the codec needs " + std::to_string(want) +
                                 ": ranks disagree on the tensor size or the codec parameters");
-      hvdc::aggregate(codec(), d, gathered.data(), gathered.dim_size(0), gathered.dim_size(1), n_,
-                      p, out->data(), alpha);
+      Launch(ctx).aggregate(codec(), d, gathered.data(), gathered.dim_size(0),
+                            gathered.dim_size(1), n_, p, out->data(), alpha);
     });
   }
 
@@ -269,6 +281,7 @@ class AggregateOp : public CodecOp {
 };
 
 // Payloads of variable-size codecs (threshold) back to back: a 1-D allgather result.
+template <class Launch>
 class AggregateConcatOp : public CodecOp {
  public:
   explicit AggregateConcatOp(OpKernelConstruction* ctx) : CodecOp(ctx) {
@@ -285,8 +298,9 @@ class AggregateConcatOp : public CodecOp {
     hvdc::DType d;
     if (!dtype(ctx, *out, &d)) return;
     const double alpha = ctx->input(1).scalar<double>()();
-    HVDC_TF_TRY(ctx, hvdc::aggregate(codec(), d, gathered.data(), ranks_, gathered.NumElements(),
-                                     n_, params_, out->data(), alpha));
+    HVDC_TF_TRY(ctx, Launch(ctx).aggregate(codec(), d, gathered.data(), ranks_,
+                                           gathered.NumElements(), n_, params_, out->data(),
+                                           alpha));
   }
 
  private:
@@ -294,16 +308,24 @@ class AggregateConcatOp : public CodecOp {
 };
 
 // Copies `in` into a new output tensor, for the functional state updates below.
-bool copy_to_output(OpKernelContext* ctx, int index, const Tensor& in, Tensor** out) {
+template <class Launch>
+bool copy_to_output(OpKernelContext* ctx, const Launch& launch, int index, const Tensor& in,
+                    Tensor** out) {
   auto status = ctx->allocate_output(index, in.shape(), out);
   if (!status.ok()) {
     ctx->CtxFailure(__FILE__, __LINE__, status);
     return false;
   }
-  std::memcpy((*out)->data(), in.data(), in.TotalBytes());
+  try {
+    launch.copy((*out)->data(), in.data(), in.TotalBytes());
+  } catch (const std::exception& e) {
+    ctx->CtxFailure(__FILE__, __LINE__, tensorflow::errors::Internal(e.what()));
+    return false;
+  }
   return true;
 }
 
+template <class Launch>
 class EfEncodeOp : public CodecOp {
  public:
   using CodecOp::CodecOp;
@@ -318,21 +340,25 @@ class EfEncodeOp : public CodecOp {
                 tensorflow::errors::InvalidArgument(
                     "error-feedback residual must match the gradient"));
     const hvdc::Params p = params_for(ctx, 3, 4, x.NumElements());
+    const Launch launch(ctx);
     Tensor *payload = nullptr, *e_out = nullptr, *carry_out = nullptr;
     if (!payload_output(ctx, 0, d, x.NumElements(), p, &payload)) return;
-    if (!copy_to_output(ctx, 1, e, &e_out) || !copy_to_output(ctx, 2, carry, &carry_out)) return;
+    if (!copy_to_output(ctx, launch, 1, e, &e_out) ||
+        !copy_to_output(ctx, launch, 2, carry, &carry_out))
+      return;
     HVDC_TF_TRY(ctx, {
       if (carry.NumElements() != hvdc::ef_carry_size(codec()))
         throw hvdc::KernelError("error-feedback carry must hold " +
                                 std::to_string(hvdc::ef_carry_size(codec())) + " element(s)");
-      hvdc::ef_encode(codec(), d, x.data(), e_out->data(),
-                      carry.NumElements() ? carry_out->flat<float>().data() : nullptr,
-                      x.NumElements(), p, payload->data());
+      launch.ef_encode(codec(), d, x.data(), e_out->data(),
+                       carry.NumElements() ? carry_out->flat<float>().data() : nullptr,
+                       x.NumElements(), p, payload->data());
     });
   }
 };
 
 // Codecs that keep their own state (DGC's velocity and accumulator): state in, new state out.
+template <class Launch>
 class EncodeWithStateOp : public CodecOp {
  public:
   using CodecOp::CodecOp;
@@ -346,6 +372,7 @@ class EncodeWithStateOp : public CodecOp {
     tensorflow::OpOutputList state_out;
     OP_REQUIRES_OK(ctx, ctx->output_list("state_out", &state_out));
     const hvdc::Params p = params_for(ctx, 1 + state.size(), -1, x.NumElements());
+    const Launch launch(ctx);
     Tensor* payload = nullptr;
     if (!payload_output(ctx, 0, d, x.NumElements(), p, &payload)) return;
     std::vector<void*> ptrs;
@@ -353,15 +380,16 @@ class EncodeWithStateOp : public CodecOp {
       OP_REQUIRES(ctx, state[i].dtype() == x.dtype() && state[i].NumElements() == x.NumElements(),
                   tensorflow::errors::InvalidArgument("codec state must match the gradient"));
       Tensor* out = nullptr;
-      if (!copy_to_output(ctx, 1 + i, state[i], &out)) return;
+      if (!copy_to_output(ctx, launch, 1 + i, state[i], &out)) return;
       ptrs.push_back(out->data());
     }
-    HVDC_TF_TRY(ctx, hvdc::encode_with_state(codec(), d, x.data(), ptrs.data(),
-                                             static_cast<int64_t>(ptrs.size()), x.NumElements(),
-                                             p, payload->data()));
+    HVDC_TF_TRY(ctx, launch.encode_with_state(codec(), d, x.data(), ptrs.data(),
+                                              static_cast<int64_t>(ptrs.size()), x.NumElements(),
+                                              p, payload->data()));
   }
 };
 
+template <class Launch>
 class EfSettleOp : public OpKernel {
  public:
   explicit EfSettleOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
@@ -369,40 +397,43 @@ class EfSettleOp : public OpKernel {
   }
   void Compute(OpKernelContext* ctx) override {
     CodecTimer timer;
+    const Launch launch(ctx);
     Tensor *e_out = nullptr, *carry_out = nullptr;
-    if (!copy_to_output(ctx, 0, ctx->input(0), &e_out) ||
-        !copy_to_output(ctx, 1, ctx->input(1), &carry_out))
+    if (!copy_to_output(ctx, launch, 0, ctx->input(0), &e_out) ||
+        !copy_to_output(ctx, launch, 1, ctx->input(1), &carry_out))
       return;
     hvdc::DType d;
     OP_REQUIRES(ctx, to_hvdc(e_out->dtype(), &d),
                 tensorflow::errors::InvalidArgument("unsupported residual dtype"));
     const auto c = static_cast<hvdc::CodecId>(codec_);
-    HVDC_TF_TRY(ctx, hvdc::ef_settle(c, d, e_out->data(),
-                                     carry_out->NumElements() ? carry_out->flat<float>().data()
-                                                              : nullptr,
-                                     e_out->NumElements()));
+    HVDC_TF_TRY(ctx, launch.ef_settle(c, d, e_out->data(),
+                                      carry_out->NumElements() ? carry_out->flat<float>().data()
+                                                               : nullptr,
+                                      e_out->NumElements()));
   }
 
  private:
   int codec_ = 0;
 };
 
+template <class Launch>
 class NesterovOp : public OpKernel {
  public:
   using OpKernel::OpKernel;
   void Compute(OpKernelContext* ctx) override {
     CodecTimer timer;
+    const Launch launch(ctx);
     Tensor *x_out = nullptr, *m_out = nullptr;
     OP_REQUIRES(ctx, ctx->input(0).shape() == ctx->input(1).shape(),
                 tensorflow::errors::InvalidArgument("momentum buffer must match the gradient"));
-    if (!copy_to_output(ctx, 0, ctx->input(0), &x_out) ||
-        !copy_to_output(ctx, 1, ctx->input(1), &m_out))
+    if (!copy_to_output(ctx, launch, 0, ctx->input(0), &x_out) ||
+        !copy_to_output(ctx, launch, 1, ctx->input(1), &m_out))
       return;
     hvdc::DType d;
     OP_REQUIRES(ctx, to_hvdc(x_out->dtype(), &d),
                 tensorflow::errors::InvalidArgument("unsupported gradient dtype"));
     const double mu = ctx->input(2).scalar<double>()();
-    HVDC_TF_TRY(ctx, hvdc::nesterov(d, x_out->data(), m_out->data(), x_out->NumElements(), mu));
+    HVDC_TF_TRY(ctx, launch.nesterov(d, x_out->data(), m_out->data(), x_out->NumElements(), mu));
   }
 };
 
@@ -436,6 +467,7 @@ class HomoOp : public OpKernel {
   tensorflow::int64 block_ = 1;
 };
 
+template <class Launch>
 class HomoBlockAbsmaxOp : public HomoOp {
  public:
   using HomoOp::HomoOp;
@@ -448,11 +480,12 @@ class HomoBlockAbsmaxOp : public HomoOp {
     HVDC_TF_TRY(ctx, blocks = hvdc::homo_blocks(x.NumElements(), block_));
     Tensor* out = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({blocks}), &out));
-    HVDC_TF_TRY(ctx, hvdc::homo_block_absmax(d, x.data(), x.NumElements(), block_,
-                                             out->flat<float>().data()));
+    HVDC_TF_TRY(ctx, Launch(ctx).homo_block_absmax(d, x.data(), x.NumElements(), block_,
+                                                   out->flat<float>().data()));
   }
 };
 
+template <class Launch>
 class HomoEncodeOp : public HomoOp {
  public:
   explicit HomoEncodeOp(OpKernelConstruction* ctx) : HomoOp(ctx) {
@@ -478,8 +511,9 @@ class HomoEncodeOp : public HomoOp {
     });
     Tensor* words = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({nw}), &words));
-    HVDC_TF_TRY(ctx, hvdc::homo_encode(d, x.data(), n, block_, scales.flat<float>().data(), levels_,
-                                       lane_ranks_, seed, words->flat<tensorflow::int32>().data()));
+    HVDC_TF_TRY(ctx, Launch(ctx).homo_encode(d, x.data(), n, block_, scales.flat<float>().data(),
+                                             levels_, lane_ranks_, seed,
+                                             words->flat<tensorflow::int32>().data()));
   }
 
  private:
@@ -487,6 +521,7 @@ class HomoEncodeOp : public HomoOp {
   uint64_t seed_base_ = 0;
 };
 
+template <class Launch>
 class HomoDecodeOp : public HomoOp {
  public:
   explicit HomoDecodeOp(OpKernelConstruction* ctx) : HomoOp(ctx) {
@@ -512,9 +547,9 @@ class HomoDecodeOp : public HomoOp {
                                 std::to_string(levels_) + ", lane_ranks=" +
                                 std::to_string(lane_ranks_) + " need " + std::to_string(want));
       check_scales(scales, n_, block_);
-      hvdc::homo_decode(d, words.flat<tensorflow::int32>().data(), n_, block_,
-                        scales.flat<float>().data(), levels_, lane_ranks_, summands_, out->data(),
-                        alpha, false);
+      Launch(ctx).homo_decode(d, words.flat<tensorflow::int32>().data(), n_, block_,
+                              scales.flat<float>().data(), levels_, lane_ranks_, summands_,
+                              out->data(), alpha, false);
     });
   }
 
@@ -551,13 +586,20 @@ class PowerSGDOp : public OpKernel {
     return true;
   }
 
-  static hvdc::DType factor_type(hvdc::DType d) { return d == hvdc::kF64 ? hvdc::kF64 : hvdc::kF32; }
-
-  static char* slice(Tensor* t, int64_t b) {
-    return static_cast<char*>(t->data()) + b * (t->TotalBytes() / t->dim_size(0));
+  // The kernels size the factors' slices from the matrices' dtype, so a factor of the other
+  // width would be read past its end.
+  static bool factor_matches(OpKernelContext* ctx, const Tensor& f, hvdc::DType d) {
+    if (f.dtype() == (d == hvdc::kF64 ? tensorflow::DT_DOUBLE : tensorflow::DT_FLOAT)) return true;
+    ctx->CtxFailure(__FILE__, __LINE__, tensorflow::errors::InvalidArgument(
+                                            "PowerSGD factors must be float64 for float64 "
+                                            "matrices, float32 otherwise"));
+    return false;
   }
-  static const char* slice(const Tensor& t, int64_t b) {
-    return static_cast<const char*>(t.data()) + b * (t.TotalBytes() / t.dim_size(0));
+
+  static std::vector<const void*> data_ptrs(const tensorflow::OpInputList& ts) {
+    std::vector<const void*> out;
+    for (int i = 0; i < ts.size(); ++i) out.push_back(ts[i].data());
+    return out;
   }
 };
 
@@ -585,58 +627,61 @@ class PowerSGDInitialQOp : public OpKernel {
   uint64_t seed_base_ = 0;
 };
 
+template <class Launch>
 class PowerSGDProjectOp : public PowerSGDOp {
  public:
   using PowerSGDOp::PowerSGDOp;
   void Compute(OpKernelContext* ctx) override {
     CodecTimer timer;
+    const Launch launch(ctx);
     tensorflow::OpInputList ms, es;
     OP_REQUIRES_OK(ctx, ctx->input_list("m", &ms));
     OP_REQUIRES_OK(ctx, ctx->input_list("e", &es));
     const Tensor& qt = ctx->input(ms.size() + es.size());
     int64_t rows, cols;
     hvdc::DType d;
-    if (!batch_shape(ctx, ms, &rows, &cols, &d)) return;
+    if (!batch_shape(ctx, ms, &rows, &cols, &d) || !factor_matches(ctx, qt, d)) return;
     const int64_t b = ms.size(), r = qt.dims() == 3 ? qt.dim_size(1) : 0;
     OP_REQUIRES(ctx, qt.dims() == 3 && qt.dim_size(0) == b && qt.dim_size(2) == cols,
                 tensorflow::errors::InvalidArgument("Qt must be [batch, r, cols]"));
     OP_REQUIRES(ctx, es.size() == 0 || es.size() == b,
                 tensorflow::errors::InvalidArgument("one residual per matrix, or none"));
-    tensorflow::OpOutputList e_out;
-    OP_REQUIRES_OK(ctx, ctx->output_list("e_out", &e_out));
     Tensor* p = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({b, rows, r}), &p));
     const bool ef = es.size() > 0;
-    for (int64_t i = 0; i < b; ++i) {
-      Tensor* e = nullptr;
-      if (ef) {
-        OP_REQUIRES(ctx, es[i].shape() == ms[i].shape(),
-                    tensorflow::errors::InvalidArgument("residual must match its matrix"));
-        if (!copy_to_output(ctx, 1 + i, es[i], &e)) return;
-      }
-      HVDC_TF_TRY(ctx, hvdc::powersgd_project(d, ms[i].data(), ef ? e->data() : nullptr, ef, rows,
-                                              cols, slice(qt, i), r, slice(p, i)));
+    std::vector<void*> e(b, nullptr);
+    for (int64_t i = 0; ef && i < b; ++i) {
+      OP_REQUIRES(ctx, es[i].shape() == ms[i].shape(),
+                  tensorflow::errors::InvalidArgument("residual must match its matrix"));
+      Tensor* out = nullptr;
+      if (!copy_to_output(ctx, launch, 1 + i, es[i], &out)) return;
+      e[i] = out->data();
     }
+    const auto m = data_ptrs(ms);
+    HVDC_TF_TRY(ctx, launch.powersgd_project(d, m.data(), e.data(), ef, b, rows, cols, qt.data(),
+                                             r, p->data()));
   }
 };
 
+template <class Launch>
 class PowerSGDOrthogonalizeOp : public PowerSGDOp {
  public:
   using PowerSGDOp::PowerSGDOp;
   void Compute(OpKernelContext* ctx) override {
     CodecTimer timer;
+    const Launch launch(ctx);
     const Tensor& p = ctx->input(0);
     OP_REQUIRES(ctx, p.dims() == 3, tensorflow::errors::InvalidArgument("P must be [batch, rows, r]"));
     Tensor* out = nullptr;
-    if (!copy_to_output(ctx, 0, p, &out)) return;
+    if (!copy_to_output(ctx, launch, 0, p, &out)) return;
     const double eps = ctx->input(1).scalar<double>()();
     const hvdc::DType d = p.dtype() == tensorflow::DT_DOUBLE ? hvdc::kF64 : hvdc::kF32;
-    for (int64_t i = 0; i < p.dim_size(0); ++i)
-      HVDC_TF_TRY(ctx, hvdc::powersgd_orthogonalize(d, slice(out, i), p.dim_size(1), p.dim_size(2),
-                                                    eps));
+    HVDC_TF_TRY(ctx, launch.powersgd_orthogonalize(d, out->data(), p.dim_size(0), p.dim_size(1),
+                                                   p.dim_size(2), eps));
   }
 };
 
+template <class Launch>
 class PowerSGDBackProjectOp : public PowerSGDOp {
  public:
   using PowerSGDOp::PowerSGDOp;
@@ -647,20 +692,21 @@ class PowerSGDBackProjectOp : public PowerSGDOp {
     const Tensor& p = ctx->input(ms.size());
     int64_t rows, cols;
     hvdc::DType d;
-    if (!batch_shape(ctx, ms, &rows, &cols, &d)) return;
+    if (!batch_shape(ctx, ms, &rows, &cols, &d) || !factor_matches(ctx, p, d)) return;
     const int64_t b = ms.size();
     OP_REQUIRES(ctx, p.dims() == 3 && p.dim_size(0) == b && p.dim_size(1) == rows,
                 tensorflow::errors::InvalidArgument("P must be [batch, rows, r]"));
     const int64_t r = p.dim_size(2);
     Tensor* qt = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({b, r, cols}), &qt));
-    for (int64_t i = 0; i < b; ++i)
-      HVDC_TF_TRY(ctx, hvdc::powersgd_back_project(d, ms[i].data(), rows, cols, slice(p, i), r,
-                                                   slice(qt, i)));
+    const auto m = data_ptrs(ms);
+    HVDC_TF_TRY(ctx, Launch(ctx).powersgd_back_project(d, m.data(), b, rows, cols, p.data(), r,
+                                                       qt->data()));
   }
 };
 
 // subtract: out_i = base_i - P_i Q_i^T (the residual); else out_i = alpha * P_i Q_i^T.
+template <class Launch>
 class PowerSGDReconstructOp : public PowerSGDOp {
  public:
   explicit PowerSGDReconstructOp(OpKernelConstruction* ctx) : PowerSGDOp(ctx) {
@@ -668,6 +714,7 @@ class PowerSGDReconstructOp : public PowerSGDOp {
   }
   void Compute(OpKernelContext* ctx) override {
     CodecTimer timer;
+    const Launch launch(ctx);
     tensorflow::OpInputList base;
     OP_REQUIRES_OK(ctx, ctx->input_list("base", &base));
     const Tensor& p = ctx->input(base.size());
@@ -675,23 +722,27 @@ class PowerSGDReconstructOp : public PowerSGDOp {
     const double alpha = ctx->input(base.size() + 2).scalar<double>()();
     int64_t rows, cols;
     hvdc::DType d;
-    if (!batch_shape(ctx, base, &rows, &cols, &d)) return;
+    if (!batch_shape(ctx, base, &rows, &cols, &d) || !factor_matches(ctx, p, d) ||
+        !factor_matches(ctx, qt, d))
+      return;
     const int64_t b = base.size();
     OP_REQUIRES(ctx, p.dims() == 3 && qt.dims() == 3 && p.dim_size(0) == b &&
                          qt.dim_size(0) == b && p.dim_size(1) == rows && qt.dim_size(2) == cols &&
                          p.dim_size(2) == qt.dim_size(1),
                 tensorflow::errors::InvalidArgument("P [batch, rows, r] and Qt [batch, r, cols] "
                                                     "must match the matrices"));
+    std::vector<void*> outs;
     for (int64_t i = 0; i < b; ++i) {
       Tensor* out = nullptr;
       if (subtract_) {
-        if (!copy_to_output(ctx, i, base[i], &out)) return;
+        if (!copy_to_output(ctx, launch, i, base[i], &out)) return;
       } else {
         OP_REQUIRES_OK(ctx, ctx->allocate_output(i, base[i].shape(), &out));
       }
-      HVDC_TF_TRY(ctx, hvdc::powersgd_reconstruct(d, slice(p, i), slice(qt, i), rows, cols,
-                                                  p.dim_size(2), out->data(), alpha, subtract_));
+      outs.push_back(out->data());
     }
+    HVDC_TF_TRY(ctx, launch.powersgd_reconstruct(d, p.data(), qt.data(), b, rows, cols,
+                                                 p.dim_size(2), outs.data(), alpha, subtract_));
   }
 
  private:
@@ -1035,28 +1086,57 @@ REGISTER_OP("HvdcCodecTime")
       return tensorflow::OkStatus();
     });
 
-REGISTER_KERNEL_BUILDER(Name("HvdcCodecTime").Device(tensorflow::DEVICE_CPU), CodecTimeOp);
-REGISTER_KERNEL_BUILDER(Name("HvdcEncode").Device(tensorflow::DEVICE_CPU), EncodeOp);
-REGISTER_KERNEL_BUILDER(Name("HvdcDecode").Device(tensorflow::DEVICE_CPU), DecodeOp);
-REGISTER_KERNEL_BUILDER(Name("HvdcAggregate").Device(tensorflow::DEVICE_CPU), AggregateOp);
-REGISTER_KERNEL_BUILDER(Name("HvdcEfEncode").Device(tensorflow::DEVICE_CPU), EfEncodeOp);
-REGISTER_KERNEL_BUILDER(Name("HvdcAggregateConcat").Device(tensorflow::DEVICE_CPU),
-                        AggregateConcatOp);
-REGISTER_KERNEL_BUILDER(Name("HvdcEncodeWithState").Device(tensorflow::DEVICE_CPU),
-                        EncodeWithStateOp);
-REGISTER_KERNEL_BUILDER(Name("HvdcEfSettle").Device(tensorflow::DEVICE_CPU), EfSettleOp);
-REGISTER_KERNEL_BUILDER(Name("HvdcNesterov").Device(tensorflow::DEVICE_CPU), NesterovOp);
-REGISTER_KERNEL_BUILDER(Name("HvdcPowersgdInitialQ").Device(tensorflow::DEVICE_CPU),
+#define HVDC_TF_CPU(name, op) \
+  REGISTER_KERNEL_BUILDER(Name(name).Device(tensorflow::DEVICE_CPU), op)
+
+HVDC_TF_CPU("HvdcCodecTime", CodecTimeOp);
+HVDC_TF_CPU("HvdcPowersgdInitialQ", PowerSGDInitialQOp);
+HVDC_TF_CPU("HvdcEncode", EncodeOp<CpuLaunch>);
+HVDC_TF_CPU("HvdcDecode", DecodeOp<CpuLaunch>);
+HVDC_TF_CPU("HvdcAggregate", AggregateOp<CpuLaunch>);
+HVDC_TF_CPU("HvdcAggregateConcat", AggregateConcatOp<CpuLaunch>);
+HVDC_TF_CPU("HvdcEfEncode", EfEncodeOp<CpuLaunch>);
+HVDC_TF_CPU("HvdcEncodeWithState", EncodeWithStateOp<CpuLaunch>);
+HVDC_TF_CPU("HvdcEfSettle", EfSettleOp<CpuLaunch>);
+HVDC_TF_CPU("HvdcNesterov", NesterovOp<CpuLaunch>);
+HVDC_TF_CPU("HvdcPowersgdProject", PowerSGDProjectOp<CpuLaunch>);
+HVDC_TF_CPU("HvdcPowersgdOrthogonalize", PowerSGDOrthogonalizeOp<CpuLaunch>);
+HVDC_TF_CPU("HvdcPowersgdBackProject", PowerSGDBackProjectOp<CpuLaunch>);
+HVDC_TF_CPU("HvdcPowersgdReconstruct", PowerSGDReconstructOp<CpuLaunch>);
+HVDC_TF_CPU("HvdcHomoBlockAbsmax", HomoBlockAbsmaxOp<CpuLaunch>);
+HVDC_TF_CPU("HvdcHomoEncode", HomoEncodeOp<CpuLaunch>);
+HVDC_TF_CPU("HvdcHomoDecode", HomoDecodeOp<CpuLaunch>);
+
+#if GOOGLE_CUDA
+// Tensors stay in GPU memory; only the scalars the op body reads on the host (steps, prescale,
+// alpha, mu, eps) are HostMemory. The initial Q and the codec clock are computed on the host
+// whatever the device, so their kernels keep host outputs and TF copies Q where it is used.
+using hvdc_tf::GpuLaunch;
+#define HVDC_TF_GPU(name) Name(name).Device(tensorflow::DEVICE_GPU)
+
+REGISTER_KERNEL_BUILDER(HVDC_TF_GPU("HvdcCodecTime").HostMemory("nanoseconds"), CodecTimeOp);
+REGISTER_KERNEL_BUILDER(HVDC_TF_GPU("HvdcPowersgdInitialQ").HostMemory("step").HostMemory("qt"),
                         PowerSGDInitialQOp);
-REGISTER_KERNEL_BUILDER(Name("HvdcPowersgdProject").Device(tensorflow::DEVICE_CPU),
-                        PowerSGDProjectOp);
-REGISTER_KERNEL_BUILDER(Name("HvdcPowersgdOrthogonalize").Device(tensorflow::DEVICE_CPU),
-                        PowerSGDOrthogonalizeOp);
-REGISTER_KERNEL_BUILDER(Name("HvdcPowersgdBackProject").Device(tensorflow::DEVICE_CPU),
-                        PowerSGDBackProjectOp);
-REGISTER_KERNEL_BUILDER(Name("HvdcPowersgdReconstruct").Device(tensorflow::DEVICE_CPU),
-                        PowerSGDReconstructOp);
-REGISTER_KERNEL_BUILDER(Name("HvdcHomoBlockAbsmax").Device(tensorflow::DEVICE_CPU),
-                        HomoBlockAbsmaxOp);
-REGISTER_KERNEL_BUILDER(Name("HvdcHomoEncode").Device(tensorflow::DEVICE_CPU), HomoEncodeOp);
-REGISTER_KERNEL_BUILDER(Name("HvdcHomoDecode").Device(tensorflow::DEVICE_CPU), HomoDecodeOp);
+REGISTER_KERNEL_BUILDER(HVDC_TF_GPU("HvdcEncode").HostMemory("step").HostMemory("prescale"),
+                        EncodeOp<GpuLaunch>);
+REGISTER_KERNEL_BUILDER(HVDC_TF_GPU("HvdcDecode").HostMemory("step").HostMemory("alpha"),
+                        DecodeOp<GpuLaunch>);
+REGISTER_KERNEL_BUILDER(HVDC_TF_GPU("HvdcAggregate").HostMemory("alpha"), AggregateOp<GpuLaunch>);
+REGISTER_KERNEL_BUILDER(HVDC_TF_GPU("HvdcAggregateConcat").HostMemory("alpha"),
+                        AggregateConcatOp<GpuLaunch>);
+REGISTER_KERNEL_BUILDER(HVDC_TF_GPU("HvdcEfEncode").HostMemory("step").HostMemory("prescale"),
+                        EfEncodeOp<GpuLaunch>);
+REGISTER_KERNEL_BUILDER(HVDC_TF_GPU("HvdcEncodeWithState").HostMemory("step"),
+                        EncodeWithStateOp<GpuLaunch>);
+REGISTER_KERNEL_BUILDER(HVDC_TF_GPU("HvdcEfSettle"), EfSettleOp<GpuLaunch>);
+REGISTER_KERNEL_BUILDER(HVDC_TF_GPU("HvdcNesterov").HostMemory("mu"), NesterovOp<GpuLaunch>);
+REGISTER_KERNEL_BUILDER(HVDC_TF_GPU("HvdcPowersgdProject"), PowerSGDProjectOp<GpuLaunch>);
+REGISTER_KERNEL_BUILDER(HVDC_TF_GPU("HvdcPowersgdOrthogonalize").HostMemory("eps"),
+                        PowerSGDOrthogonalizeOp<GpuLaunch>);
+REGISTER_KERNEL_BUILDER(HVDC_TF_GPU("HvdcPowersgdBackProject"), PowerSGDBackProjectOp<GpuLaunch>);
+REGISTER_KERNEL_BUILDER(HVDC_TF_GPU("HvdcPowersgdReconstruct").HostMemory("alpha"),
+                        PowerSGDReconstructOp<GpuLaunch>);
+REGISTER_KERNEL_BUILDER(HVDC_TF_GPU("HvdcHomoBlockAbsmax"), HomoBlockAbsmaxOp<GpuLaunch>);
+REGISTER_KERNEL_BUILDER(HVDC_TF_GPU("HvdcHomoEncode").HostMemory("step"), HomoEncodeOp<GpuLaunch>);
+REGISTER_KERNEL_BUILDER(HVDC_TF_GPU("HvdcHomoDecode").HostMemory("alpha"), HomoDecodeOp<GpuLaunch>);
+#endif

@@ -1,13 +1,18 @@
-"""The CUDA kernels compile: every csrc/cuda/*.cu with nvcc, and the torch bindings with the
-CUDA dispatch switched on. CI machines have nvcc but no GPU and a CPU torch, so this is what
-catches a CUDA compile error there; tests/gpu runs the kernels where a GPU exists.
+"""The CUDA kernels compile: every csrc/cuda/*.cu with nvcc, the torch bindings with the CUDA
+dispatch switched on, and the TensorFlow ops with their GPU kernels (GOOGLE_CUDA), linked with
+the CUDA objects and loaded. CI machines have nvcc but no GPU and CPU builds of torch and
+TensorFlow, so this is what catches a CUDA compile error there; tests/gpu runs the kernels where
+a GPU exists.
 
 Without nvcc the tests skip, unless HVDC_REQUIRE_NVCC=1 (set by .ci/run) makes that a failure.
 """
 import glob
+import json
 import os
+import re
 import shutil
 import subprocess
+import sys
 import sysconfig
 from concurrent.futures import ThreadPoolExecutor
 
@@ -51,9 +56,25 @@ CUDA_INCLUDE = find_cuda_include()
 
 def nvcc_compile(src, arch, out_dir):
     obj = os.path.join(out_dir, f"{os.path.basename(src)}.{arch}.o")
+    # -fPIC: the objects are linked into the TF op library below, as setup.py links them.
     cmd = [NVCC, "-c", src, "-o", obj, f"-arch={arch}", "-std=c++17", "--fmad=false", "-O3",
-           "-Werror", "all-warnings", "-I", os.path.join(ROOT, "csrc", "include")]
-    return src, arch, subprocess.run(cmd, capture_output=True, text=True)
+           "-Xcompiler", "-fPIC", "-Werror", "all-warnings",
+           "-I", os.path.join(ROOT, "csrc", "include")]
+    return src, arch, obj, subprocess.run(cmd, capture_output=True, text=True)
+
+
+@pytest.fixture(scope="module")
+def cuda_objects(tmp_path_factory):
+    """(source, arch, object, nvcc result) for every .cu and arch, compiled once per module."""
+    out = str(tmp_path_factory.mktemp("cuda_objects"))
+    jobs = [(src, arch) for src in CUDA_SOURCES for arch in ARCHS]
+    with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
+        return list(pool.map(lambda j: nvcc_compile(*j, out), jobs))
+
+
+def nvcc_failures(results):
+    return [f"{os.path.relpath(src, ROOT)} ({arch}):\n{r.stderr[-3000:]}"
+            for src, arch, _, r in results if r.returncode != 0]
 
 
 def test_there_are_cuda_kernels_for_every_cpu_kernel_file():
@@ -64,14 +85,10 @@ def test_there_are_cuda_kernels_for_every_cpu_kernel_file():
     assert cpu - cuda == {"randomk", "topk"}, sorted(cpu - cuda)
 
 
-def test_every_cu_file_compiles(tmp_path):
-    jobs = [(src, arch) for src in CUDA_SOURCES for arch in ARCHS]
-    with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
-        results = list(pool.map(lambda j: nvcc_compile(*j, str(tmp_path)), jobs))
-    failed = [f"{os.path.relpath(src, ROOT)} ({arch}):\n{r.stderr[-3000:]}"
-              for src, arch, r in results if r.returncode != 0]
+def test_every_cu_file_compiles(cuda_objects):
+    failed = nvcc_failures(cuda_objects)
     assert not failed, "\n".join(failed)
-    assert len(results) == len(CUDA_SOURCES) * len(ARCHS) > 0
+    assert len(cuda_objects) == len(CUDA_SOURCES) * len(ARCHS) > 0
 
 
 def test_torch_bindings_compile_with_cuda_dispatch(tmp_path):
@@ -90,3 +107,66 @@ def test_torch_bindings_compile_with_cuda_dispatch(tmp_path):
     r = subprocess.run(cmd, capture_output=True, text=True)
     errors = [line for line in r.stderr.splitlines() if "error" in line]
     assert r.returncode == 0, "\n".join(errors[:20]) or r.stderr[-3000:]
+
+
+# Inputs a GPU kernel reads on the host (HostMemory); everything else stays on the device.
+HOST_SCALARS = {"step", "prescale", "alpha", "mu", "eps"}
+# Computed on the host whatever the device: their GPU kernels keep host outputs.
+HOST_OPS = {"HvdcCodecTime": {"nanoseconds"}, "HvdcPowersgdInitialQ": {"step", "qt"}}
+
+
+def test_tensorflow_ops_build_with_gpu_kernels(tmp_path, cuda_objects):
+    """ops.cc as setup.py builds it for a CUDA TensorFlow: GOOGLE_CUDA and EIGEN_USE_GPU against
+    the installed TF headers (a CPU wheel ships the same framework headers and Eigen's GPU
+    device; the CUDA ones come from the toolkit), linked with the nvcc objects and static cudart.
+    Registering a DEVICE_GPU kernel needs no GPU, so the library loads into a CPU TensorFlow and
+    its kernel registry shows every op on both devices."""
+    tf = pytest.importorskip("tensorflow")
+    assert not nvcc_failures(cuda_objects), "the CUDA objects did not compile"
+    objects = [obj for _, arch, obj, _ in cuda_objects if arch == ARCHS[0]]
+    cuda_lib = os.path.join(os.path.dirname(CUDA_INCLUDE), "lib64")
+    base = ["g++", "-std=c++17", "-O1", "-fPIC", "-DGOOGLE_CUDA=1", "-DEIGEN_USE_GPU",
+            *tf.sysconfig.get_compile_flags(), f"-I{CUDA_INCLUDE}",
+            f"-I{os.path.join(ROOT, 'csrc', 'include')}"]
+    sources = [os.path.join(ROOT, "csrc", "tensorflow", "ops.cc"),
+               *sorted(glob.glob(os.path.join(ROOT, "csrc", "cpu", "*.cc")))]
+
+    def compile_one(src):
+        obj = str(tmp_path / f"{os.path.basename(src)}.o")
+        warn = ["-Wall", "-Werror"] if src == sources[0] else []
+        return src, obj, subprocess.run([*base, *warn, "-c", src, "-o", obj], capture_output=True,
+                                        text=True)
+
+    with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
+        compiled = list(pool.map(compile_one, sources))
+    failed = [f"{os.path.relpath(src, ROOT)}:\n{r.stderr[-3000:]}"
+              for src, _, r in compiled if r.returncode != 0]
+    assert not failed, "\n".join(failed)
+
+    lib = str(tmp_path / "_ops_gpu.so")
+    link = ["g++", "-shared", "-o", lib, *[obj for _, obj, _ in compiled], *objects,
+            *tf.sysconfig.get_link_flags(), f"-Wl,-rpath,{tf.sysconfig.get_lib()}",
+            f"-L{cuda_lib}", "-lcudart_static", "-ldl", "-lrt", "-lpthread"]
+    r = subprocess.run(link, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+    with open(sources[0]) as f:
+        ops = re.findall(r'REGISTER_OP\("(\w+)"\)', f.read())
+    # A fresh process: this one may hold the CPU-only library, whose ops would clash.
+    probe = ("import json, sys, tensorflow as tf\n"
+             "from tensorflow.python.framework import kernels\n"
+             "tf.load_op_library(sys.argv[1])\n"
+             "print(json.dumps({op: {k.device_type: sorted(k.host_memory_arg) for k in "
+             "kernels.get_registered_kernels_for_op(op).kernel} for op in sys.argv[2:]}))\n")
+    r = subprocess.run([sys.executable, "-c", probe, lib, *ops], capture_output=True, text=True,
+                       env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    registered = json.loads(r.stdout.strip().splitlines()[-1])
+    assert len(ops) == len(registered) >= 17
+    for op, devices in registered.items():
+        assert set(devices) == {"CPU", "GPU"}, (op, devices)
+        assert devices["CPU"] == [], (op, devices)
+        assert set(devices["GPU"]) <= HOST_OPS.get(op, HOST_SCALARS), (op, devices)
+    assert registered["HvdcEncode"]["GPU"] == ["prescale", "step"]
+    assert registered["HvdcHomoEncode"]["GPU"] == ["step"]
+    assert registered["HvdcPowersgdInitialQ"]["GPU"] == ["qt", "step"]
