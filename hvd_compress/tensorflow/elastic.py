@@ -14,6 +14,12 @@ residuals in it are per rank), so use these in their place (TF2, eager):
     def train(state):
         model.fit(...)
 
+A custom loop that reduces with a DistributedGradientTape names it (any tape made with the same
+arguments): `TensorFlowKerasState(model, optimizer, compressed=tape)`.
+Build the optimizer (`opt.build(model.trainable_variables)`) before making the state: Keras
+makes its slots at the first step, and a joining worker must already hold them for the sync's
+broadcast of `optimizer.variables()` to match rank 0's (Horovod's own states need the same).
+
     commit()  saves the compression state with the model (host memory, numpy arrays);
     restore() returns it to the last commit (after a worker failure);
     sync()    (after every reset) makes it identical on every rank, as in the torch frontend:
@@ -96,11 +102,13 @@ class _CompressionState:
 
 
 class TensorFlowKerasState(_CompressionState, _tf_elastic.TensorFlowKerasState):
-    """`horovod.tensorflow.elastic.TensorFlowKerasState` (same arguments) whose optimizer, or
-    the model's, is ours: its compression state is committed, restored and synced too."""
+    """`horovod.tensorflow.elastic.TensorFlowKerasState` (same arguments) plus the compression
+    state of `compressed`: by default the optimizer (or the model's), which is then ours; in a
+    custom loop that reduces with a DistributedGradientTape, that tape (any tape made with the
+    same arguments: they share one reducer)."""
 
-    def __init__(self, model, optimizer=None, backend=None, **kwargs):
-        self._hvdc_track(optimizer or model.optimizer)
+    def __init__(self, model, optimizer=None, backend=None, *, compressed=None, **kwargs):
+        self._hvdc_track(compressed or optimizer or model.optimizer)
         super().__init__(model, optimizer=optimizer, backend=backend, **kwargs)
 
     def _hvdc_retrace(self) -> None:
@@ -112,8 +120,8 @@ class KerasState(_CompressionState, _keras_elastic.KerasState):
     """`horovod.tensorflow.keras.elastic.KerasState` (hvd.elastic.KerasState under
     horovod.tensorflow.keras) with the compression state, as TensorFlowKerasState."""
 
-    def __init__(self, model, optimizer=None, **kwargs):
-        self._hvdc_track(optimizer or model.optimizer)
+    def __init__(self, model, optimizer=None, *, compressed=None, **kwargs):
+        self._hvdc_track(compressed or optimizer or model.optimizer)
         super().__init__(model, optimizer=optimizer, **kwargs)
 
     _hvdc_retrace = TensorFlowKerasState._hvdc_retrace
