@@ -1,11 +1,12 @@
 """Elastic Horovod keeps the compression state consistent (hvd_compress.torch.elastic,
 hvd_compress.tensorflow.elastic).
 
-`horovodrun --gloo` elastic jobs on localhost (torch_elastic_train.py, and tf_elastic_train.py
-with Keras' model.fit): 2 ranks, a worker killed at step 4 (or its host removed from the
-discovery output: no sync then), 1 rank goes on, a slot added back at step 8, 2 ranks to the
-end. After each reset every rank must hold the same weights and the same compression state (rank 0's step
-counters, no per-rank residual), and training must go on with finite losses.
+`horovodrun --gloo` elastic jobs on localhost (torch_elastic_train.py; tf_elastic_train.py with
+Keras' model.fit or a tape in a custom loop): 2 ranks, a worker killed at step 4 (or its host
+removed from the discovery output: no sync then), 1 rank goes on, a slot added back at step 8, 2
+ranks to the end. After each reset every rank must hold the same weights and the same
+compression state (rank 0's step counters, no per-rank residual), and training must go on with
+finite losses.
 This file runs in one plain process and starts the job itself.
 """
 from __future__ import annotations
@@ -20,10 +21,11 @@ import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-# (training script, spec). TF keeps step counters only for codecs that read them: randomk's
-# seeds must agree between ranks after every reset.
-FRONTENDS = {"torch": ("torch_elastic_train.py", "topk,k=0.25,ef=vanilla"),
-             "tf": ("tf_elastic_train.py", "randomk,k=0.25,ef=vanilla")}
+# The training script and its arguments after OUT. TF keeps step counters only for codecs that
+# read them: randomk's seeds must agree between ranks after every reset.
+FRONTENDS = {"torch": ["torch_elastic_train.py", "topk,k=0.25,ef=vanilla"],
+             "tf-fit": ["tf_elastic_train.py", "randomk,k=0.25,ef=vanilla", "fit"],
+             "tf-tape": ["tf_elastic_train.py", "randomk,k=0.25,ef=vanilla", "tape"]}
 
 
 def load(out, event, world, rank):
@@ -39,7 +41,7 @@ def assert_same(a, b):
 
 
 def run_job(tmp_path, mode, frontend):
-    script, spec = FRONTENDS[frontend]
+    script, *args = FRONTENDS[frontend]
     tmp_path.mkdir()
     hosts = tmp_path / "hosts"
     hosts.write_text("localhost:1\n127.0.0.1:1\n")
@@ -48,7 +50,7 @@ def run_job(tmp_path, mode, frontend):
                PATH=os.pathsep.join([os.path.dirname(sys.executable), os.environ["PATH"]]))
     cmd = ["horovodrun", "--gloo", "-np", "2", "--min-np", "1", "--max-np", "2",
            "--host-discovery-script", os.path.join(HERE, "discover.sh"),
-           sys.executable, os.path.join(HERE, script), str(tmp_path), spec]
+           sys.executable, os.path.join(HERE, script), str(tmp_path), *args]
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     log = run.stdout + run.stderr
     assert run.returncode == 0, log[-4000:]
