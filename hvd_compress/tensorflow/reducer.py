@@ -4,6 +4,7 @@ compressed allreduce), its plan driven to the end at once with Horovod's TF coll
 keyed by variable name."""
 from __future__ import annotations
 
+import os
 import re
 import warnings
 from typing import Any
@@ -136,6 +137,21 @@ class Reducer:
 
     def _world(self) -> int:
         return self.process_set.size() if self.process_set.included() else 1
+
+    def follow_world(self) -> bool:
+        """After an elastic reset Horovod re-initializes with another rank and size: the codec
+        takes them up (PowerSGD and the plans read them when traced, so any function traced
+        before must be traced again). True when they changed."""
+        if not self.process_set.included():
+            return False
+        rank, world = self._rank(), self._world()
+        if (rank, world) == (self.codec.rank, self.codec.world):
+            return False
+        if self.nodes is not None:
+            raise RuntimeError("hierarchical compression cannot follow an elastic resize: its "
+                               "node process sets belong to the old world")
+        self.codec = TFCodec(self.config, self.store, rank=rank, world=world)
+        return True
 
     def _powersgd(self, config: CompressionConfig) -> PowerSGDReduction | None:
         """Two-round codecs run their own pipeline over all of a step's gradients."""
@@ -572,6 +588,11 @@ def reducer_for(compression: Any, min_compress_bytes: int, op, process_set,
 
 
 def check_ranks_agree(config: CompressionConfig, min_bytes: int, process_set) -> None:
+    # Under elastic Horovod a worker that joins builds its optimizer while the others wait in
+    # the reset's sync: no collective may run here, and the sync checks the spec instead
+    # (hvd_compress.tensorflow.elastic).
+    if os.environ.get("HOROVOD_ELASTIC") == "1":
+        return
     mine = f"{config.canonical()};min_compress_bytes={min_bytes}".encode()
     blob, sizes = evaluate(lambda: (
         hvd.allgather(tf.constant(list(mine), dtype=tf.uint8), name="hvdc.spec_check",

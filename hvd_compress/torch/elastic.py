@@ -11,31 +11,19 @@ optimizer's own state:
               per-rank accumulators (error-feedback residuals, momenta, DGC velocities, owner
               residuals of the compressed allreduce) start again from zero on every rank.
 
-A residual is the part of that rank's own gradient not yet sent: a new worker has none, and
-handing it rank 0's would send rank 0's unsent gradient once per rank. Owner residuals are kept
-per chunk of a world-size-dependent chunking and mean nothing in another world. Zeroing them
-loses at most the unsent remainder of the steps before the reset, as when training starts.
+Why the per-rank accumulators are dropped: hvd_compress.elastic.
 """
 from __future__ import annotations
 
 from horovod.torch.elastic import state as _state
 from horovod.torch.functions import broadcast_object
 
-# Slot kinds every rank holds alike and that stay valid in a world of another size.
-SHARED_KINDS = ("powersgd_qt",)
+from ..elastic import shared_part
 
 
 class CompressedOptimizer:
     """Base of every optimizer hvd_compress.torch.DistributedOptimizer builds: what Horovod's
     handler registry recognizes them by."""
-
-
-def shared_part(state: dict) -> dict:
-    """`state` (a compression state dict) without the per-rank accumulators."""
-    def keep(table):
-        return {name: {k: v for k, v in kinds.items() if k in SHARED_KINDS}
-                for name, kinds in table.items()}
-    return {**state, "slots": keep(state["slots"]), "dtypes": keep(state["dtypes"])}
 
 
 class CompressedOptimizerStateHandler(_state.OptimizerStateHandler):

@@ -11,19 +11,15 @@ weights and compression state to OUT/<event>_<world>_<rank>.npz.
 """
 import os
 import sys
-import time
 
 import horovod.torch as hvd
 import numpy as np
 import torch
 
 import hvd_compress.torch as hvdc
+from elastic_job import GROW_AT, KILL_AT, MODE, STEPS, wait_for_hosts, write_hosts
 
-OUT, HOSTS, SPEC = sys.argv[1], os.environ["HVDC_ELASTIC_HOSTS"], sys.argv[2]
-# kill: the worker dies (a failure: restore, then sync); remove: its host leaves the discovery
-# output and it is let go (Horovod skips the sync when workers were only removed).
-MODE = os.environ.get("HVDC_ELASTIC_MODE", "kill")
-KILL_AT, GROW_AT, STEPS = 4, 8, 14
+OUT, SPEC = sys.argv[1], sys.argv[2]
 
 hvd.init()
 torch.manual_seed(0)
@@ -40,22 +36,6 @@ def dump(event, loss=float("nan")):
                    for k, a in kinds.items()})
     arrays.update({f"c/{n}": np.int64(c) for n, c in state["steps"].items()})
     np.savez(os.path.join(OUT, f"{event}_{hvd.size()}_{hvd.rank()}.npz"), loss=loss, **arrays)
-
-
-def write_hosts(text):
-    with open(HOSTS + ".tmp", "w") as f:
-        f.write(text)
-    os.replace(HOSTS + ".tmp", HOSTS)
-
-
-def wait_for_hosts(state):
-    # Held here until the driver has seen the new hosts: check_host_updates() raises
-    # HostsUpdatedInterrupt then, and the reset brings in the new world.
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        time.sleep(0.2)
-        state.check_host_updates()
-    raise RuntimeError("the discovery script's change never came")
 
 
 @hvd.elastic.run
