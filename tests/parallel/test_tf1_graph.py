@@ -115,7 +115,7 @@ def test_keras_fit_in_a_graph_lowers_the_loss_alike_on_every_rank():
         model = tf.keras.Sequential([tf.keras.layers.Dense(64, activation="relu",
                                                            input_shape=(20,)),
                                      tf.keras.layers.Dense(2)])
-        opt = hvdk.DistributedOptimizer(tf.keras.optimizers.legacy.SGD(0.1),
+        opt = hvdk.DistributedOptimizer(tf.keras.optimizers.legacy.SGD(0.3),
                                         compression="topk,k=0.05,ef=vanilla",
                                         min_compress_bytes=0)
         model.compile(opt, tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
@@ -124,12 +124,12 @@ def test_keras_fit_in_a_graph_lowers_the_loss_alike_on_every_rank():
         start = np.random.RandomState(0)
         model.set_weights([0.1 * start.standard_normal(v.shape).astype(np.float32)
                            for v in model.get_weights()])
-        history = model.fit(x, y, batch_size=32, epochs=3, verbose=0)
+        history = model.fit(x, y, batch_size=32, epochs=10, verbose=0)
         weights = np.concatenate([v.reshape(-1) for v in model.get_weights()])
         everyone = tf.compat.v1.keras.backend.get_session().run(
             hvd.allgather(tf.constant(weights[None])))
         report = opt.compression_report()
-    assert report["steps"] == 3 * 8 and report["ratio"] > 5
+    assert report["steps"] == 10 * 8 and report["ratio"] > 5
     assert report["tensors"]["dense/kernel"]["codec"] == "topk"
     losses = history.history["loss"]
     assert losses[-1] < 0.8 * losses[0]
