@@ -4,6 +4,8 @@ localhost, ms per step for Horovod and for every codec through our optimizer.
     python bench/tensors.py                 # 21M elements as 1 and as 300 tensors, 3 timed steps
     python bench/tensors.py --quick         # 2M elements
     python bench/tensors.py --select topk   # only rows whose label contains one of these words
+    python bench/tensors.py --model resnet50     # ResNet-50's 161 gradients (bench/models.py)
+    python bench/tensors.py --model transformer  # a BERT-base-sized encoder's 150
 
 Real models have hundreds of tensors, most of them small: each compressed tensor is its own
 chain of kernel calls and its own collective, where Horovod fuses small allreduces into one.
@@ -15,6 +17,7 @@ run under `horovodrun --gloo -np 2` with one thread each; ms/step is the slower 
 """
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -49,6 +52,18 @@ def shapes(elements, tensors):
     return [(per + (i < extra), cols) for i in range(tensors)]
 
 
+def model_shapes(name):
+    """The gradient shapes of a bench/models.py model, in its registration order."""
+    import models
+    return [tuple(p.shape) for p in models.MODELS[name]().parameters()]
+
+
+def layout_shapes(opts, tensors):
+    if tensors == 1 or not opts.get("model"):
+        return shapes(opts["elements"], tensors)
+    return model_shapes(opts["model"])
+
+
 def worker(args):
     import warnings
 
@@ -60,40 +75,40 @@ def worker(args):
     torch.set_num_threads(1)
     hvd.init()
     opts = json.loads(args.opts)
+    def seconds_per_step(how, spec, tensors):
+        gen = torch.Generator().manual_seed(1 + hvd.rank())
+        params = [torch.nn.Parameter(torch.zeros(s)) for s in layout_shapes(opts, tensors)]
+        grads = [torch.randn(p.shape, generator=gen) for p in params]
+        named = [(f"t{i}", p) for i, p in enumerate(params)]
+        sgd = torch.optim.SGD(params, lr=0.01)
+        if how == "horovod":
+            comp = hvd.Compression.fp16 if spec == "fp16" else hvd.Compression.none
+            opt = hvd.DistributedOptimizer(sgd, named, compression=comp)
+        else:
+            opt = hvdc.DistributedOptimizer(sgd, named, compression=spec, min_compress_bytes=0)
+
+        def step():
+            opt.zero_grad()
+            sum((p * g).sum() for p, g in zip(params, grads)).backward()
+            opt.step()
+
+        step()
+        hvd.allreduce(torch.zeros(1), name="tensors.sync")
+        t0 = time.perf_counter()
+        for _ in range(opts["steps"]):
+            step()
+        return (time.perf_counter() - t0) / opts["steps"]
+
     out = []
     for label, how, spec in json.loads(args.rows):
         for tensors in opts["layouts"]:
-            gen = torch.Generator().manual_seed(1 + hvd.rank())
-            params = [torch.nn.Parameter(torch.zeros(s))
-                      for s in shapes(opts["elements"], tensors)]
-            grads = [torch.randn(p.shape, generator=gen) for p in params]
-            named = [(f"t{i}", p) for i, p in enumerate(params)]
-            sgd = torch.optim.SGD(params, lr=0.01)
-            if how == "horovod":
-                comp = hvd.Compression.fp16 if spec == "fp16" else hvd.Compression.none
-                opt = hvd.DistributedOptimizer(sgd, named, compression=comp)
-            else:
-                opt = hvdc.DistributedOptimizer(sgd, named, compression=spec,
-                                                min_compress_bytes=0)
-
-            def step():
-                opt.zero_grad()
-                sum((p * g).sum() for p, g in zip(params, grads)).backward()
-                opt.step()
-
-            step()
-            hvd.allreduce(torch.zeros(1), name="tensors.sync")
-            t0 = time.perf_counter()
-            for _ in range(opts["steps"]):
-                step()
-            seconds = (time.perf_counter() - t0) / opts["steps"]
+            seconds = seconds_per_step(how, spec, tensors)
             slowest = hvd.allreduce(torch.tensor([seconds]), op=hvd.Max, name="tensors.max")
             if hvd.rank() == 0:
                 out.append({"row": label, "spec": spec, "how": how, "tensors": tensors,
                             "ms_per_step": 1e3 * slowest.item()})
                 print(f"  {label:26s} {tensors:4d} tensors {1e3 * slowest.item():9.1f} ms",
                       flush=True)
-            del opt, sgd, params, grads
     if hvd.rank() == 0:
         with open(args.result, "w") as f:
             json.dump(out, f)
@@ -104,6 +119,9 @@ def main():
     ap.add_argument("--quick", action="store_true", help="2M elements instead of 21M")
     ap.add_argument("--elements-m", type=float, default=None, help="gradient elements, millions")
     ap.add_argument("--tensors", type=int, default=300, help="tensors of the many-tensor layout")
+    ap.add_argument("--model", choices=["resnet50", "transformer"], default=None,
+                    help="the many-tensor layout is this model's gradients (and the element "
+                         "count its size)")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per row and layout")
     ap.add_argument("--select", default=None, help="comma-separated words; rows containing one")
     ap.add_argument("--timeout", type=float, default=1800)
@@ -123,7 +141,11 @@ def main():
             sys.exit(f"--select {args.select}: no row matches; rows: "
                      + ", ".join(r[0] for r in ROWS))
     elements = int(1e6 * (args.elements_m or (2 if args.quick else 21)))
-    opts = {"elements": elements, "layouts": [1, args.tensors], "steps": args.steps}
+    many = args.tensors
+    if args.model:
+        sizes = model_shapes(args.model)
+        elements, many = sum(math.prod(s) for s in sizes), len(sizes)
+    opts = {"elements": elements, "layouts": [1, many], "steps": args.steps, "model": args.model}
     load = os.getloadavg()[0]
     horovodrun = os.path.join(os.path.dirname(sys.executable), "horovodrun")
     with tempfile.TemporaryDirectory() as tmp:
@@ -136,7 +158,6 @@ def main():
             got = json.load(f)
 
     by = {(r["row"], r["tensors"]): r for r in got}
-    many = args.tensors
     lines = []
     for label, _, spec in rows:
         one, lots = by[(label, 1)]["ms_per_step"], by[(label, many)]["ms_per_step"]
@@ -146,12 +167,14 @@ def main():
         lines.append([label, f"{one:.1f}", f"{lots:.1f}", f"{ratio:.2f}x",
                       "holds" if ratio <= TARGET else "MISSED"])
     header = ["row", "1 tensor ms", f"{many} tensors ms", "many / 1", f"<= {TARGET}x"]
-    print(f"{elements / 1e6:.1f}M gradient elements, 2 ranks, localhost Gloo, "
-          f"{args.steps} timed steps")
+    what = f"{args.model}'s {many} gradients" if args.model else f"{many} tensors"
+    print(f"{elements / 1e6:.1f}M gradient elements as 1 tensor and as {what}, 2 ranks, "
+          f"localhost Gloo, {args.steps} timed steps")
     print(results.markdown(header, lines))
     settings = {**opts, "ranks": 2, "threads_per_rank": 1, "min_compress_bytes": 0,
                 "cores": os.cpu_count(), "load_average_at_start": load}
-    results.write(args.out, "tensors", settings, got)
+    name = f"tensors_{args.model}" if args.model else "tensors"
+    results.write(args.out, name, settings, got)
 
     plt = results.pyplot()
     fig, ax = plt.subplots(figsize=(10, 5))
@@ -163,11 +186,11 @@ def main():
     ax.set_xticks(list(x))
     ax.set_xticklabels([r[0] for r in rows], rotation=40, ha="right", fontsize=8)
     ax.set_ylabel("ms per step (slower rank)")
-    ax.set_title(f"{elements / 1e6:.1f}M gradient elements as 1 and as {many} tensors, "
+    ax.set_title(f"{elements / 1e6:.1f}M gradient elements as 1 tensor and as {what}, "
                  "2 ranks, localhost", fontsize=10)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(os.path.join(args.out, "tensors.png"), dpi=110)
+    fig.savefig(os.path.join(args.out, f"{name}.png"), dpi=110)
 
 
 if __name__ == "__main__":
