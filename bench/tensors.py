@@ -126,9 +126,7 @@ def main():
     ap.add_argument("--select", default=None, help="comma-separated words; rows containing one")
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--out", default=results.DEFAULT_OUT)
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    for hidden in ("--rows", "--opts", "--result"):
-        ap.add_argument(hidden, help=argparse.SUPPRESS)
+    results.worker_arguments(ap, "--rows", "--opts", "--result")
     args = ap.parse_args()
     if args.worker:
         return worker(args)
