@@ -1,5 +1,6 @@
 """Where the benchmark scripts put their results: NAME.json (everything, with the settings),
 NAME.csv (the rows) and NAME.png, under one output folder (docs/benchmarks by default)."""
+import argparse
 import csv
 import json
 import os
@@ -34,3 +35,11 @@ def markdown(header, lines):
     fmt = lambda row: "| " + " | ".join(c.rjust(w) for c, w in zip(row, widths)) + " |"  # noqa
     return "\n".join([fmt(cells[0]), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
                      + [fmt(r) for r in cells[1:]])
+
+
+def worker_arguments(ap, *hidden):
+    """The arguments a driver passes to the ranks it launches (its own script with --worker):
+    kept out of --help."""
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    for name in hidden:
+        ap.add_argument(name, help=argparse.SUPPRESS)

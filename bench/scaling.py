@@ -344,9 +344,7 @@ def main():
     ap.add_argument("--ranks", default="2,4,8", help="comma-separated rank counts")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per rank count")
     ap.add_argument("--out", default=results.DEFAULT_OUT)
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    for hidden in ("--rows", "--opts", "--result"):
-        ap.add_argument(hidden, help=argparse.SUPPRESS)
+    results.worker_arguments(ap, "--rows", "--opts", "--result")
     args = ap.parse_args()
     if args.worker:
         return worker(args)

@@ -237,18 +237,11 @@ class PowerSGDSimulation:
         return p @ q.T
 
 
-class PowerSGDKernelSimulation:
+class PowerSGDKernelSimulation(PowerSGDSimulation):
     """Every rank's PowerSGD step on the kernels both frontends call (in the gradients' dtype,
     float32 or float64), with the collectives' sums done here in rank order: the frontends'
     results bit for bit, where PowerSGDSimulation's float64 arithmetic only comes within a
     tolerance. `e` (per rank) and `qt` are the state the frontends keep."""
-
-    def __init__(self, spec, name, world):
-        self.st = PowerSGDState.from_config(hc.parse_spec(spec))
-        self.name, self.world = name, world
-        self.e = None
-        self.qt = None
-        self.step = 0
 
     def __call__(self, grads):
         st, step = self.st, self.step

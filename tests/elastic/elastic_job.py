@@ -24,3 +24,22 @@ def wait_for_hosts(state):
         time.sleep(0.2)
         state.check_host_updates()
     raise RuntimeError("the discovery script's change never came")
+
+
+def after_step(state, dump, size):
+    """The schedule, run by both scripts after each training step: at KILL_AT the second
+    worker is killed (or its host removed), the step after is dumped, and at GROW_AT the slot is
+    given back; every step is committed. `dump(event)` saves the state, `size()` is Horovod's."""
+    state.step += 1
+    if state.step == KILL_AT and os.environ.get("HOROVOD_HOSTNAME") == "127.0.0.1":
+        write_hosts("localhost:1\n")
+        if MODE == "kill":
+            os._exit(17)
+    if state.step == KILL_AT + 1:
+        dump(f"step{state.step}")
+    state.commit()
+    if state.step == KILL_AT and MODE == "remove" and size() == 2:
+        wait_for_hosts(state)
+    if state.step == GROW_AT and size() == 1:
+        write_hosts("localhost:2\n")
+        wait_for_hosts(state)

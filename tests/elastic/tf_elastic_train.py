@@ -18,7 +18,7 @@ import tensorflow as tf
 import hvd_compress.tensorflow as hvdc
 import hvd_compress.tensorflow.elastic as hvdc_elastic
 import hvd_compress.tensorflow.keras as hvdk
-from elastic_job import GROW_AT, KILL_AT, MODE, STEPS, wait_for_hosts, write_hosts
+from elastic_job import STEPS, after_step
 
 OUT, SPEC, LOOP = sys.argv[1], sys.argv[2], sys.argv[3]
 
@@ -58,22 +58,6 @@ def batches(start):
     return x, y
 
 
-def after_step(state):
-    state.step += 1
-    if state.step == KILL_AT and os.environ.get("HOROVOD_HOSTNAME") == "127.0.0.1":
-        write_hosts("localhost:1\n")
-        if MODE == "kill":
-            os._exit(17)
-    if state.step == KILL_AT + 1:
-        dump(f"step{state.step}")
-    state.commit()
-    if state.step == KILL_AT and MODE == "remove" and hvd.size() == 2:
-        wait_for_hosts(state)
-    if state.step == GROW_AT and hvd.size() == 1:
-        write_hosts("localhost:2\n")
-        wait_for_hosts(state)
-
-
 class AfterStep(tf.keras.callbacks.Callback):
     def __init__(self, state):
         super().__init__()
@@ -82,7 +66,7 @@ class AfterStep(tf.keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         self.loss = logs["loss"]
-        after_step(self.state)
+        after_step(self.state, dump, hvd.size)
 
 
 def fit(state, x, y):
@@ -104,7 +88,7 @@ def tape_loop(state, x, y):
     loss = None
     for i in range(0, len(x), 8):
         loss = float(step(x[i:i + 8], y[i:i + 8]))
-        after_step(state)
+        after_step(state, dump, hvd.size)
     return loss
 
 

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 import hvd_compress.torch as hvdc
-from elastic_job import GROW_AT, KILL_AT, MODE, STEPS, wait_for_hosts, write_hosts
+from elastic_job import STEPS, after_step
 
 OUT, SPEC = sys.argv[1], sys.argv[2]
 
@@ -52,19 +52,7 @@ def train(state):
         loss = torch.nn.functional.mse_loss(model(x), y)
         loss.backward()
         optimizer.step()
-        state.step += 1
-        if state.step == KILL_AT and os.environ.get("HOROVOD_HOSTNAME") == "127.0.0.1":
-            write_hosts("localhost:1\n")
-            if MODE == "kill":
-                os._exit(17)
-        if state.step == KILL_AT + 1:
-            dump(f"step{state.step}")
-        state.commit()
-        if state.step == KILL_AT and MODE == "remove" and hvd.size() == 2:
-            wait_for_hosts(state)
-        if state.step == GROW_AT and hvd.size() == 1:
-            write_hosts("localhost:2\n")
-            wait_for_hosts(state)
+        after_step(state, dump, hvd.size)
     return loss.item()
 
 
