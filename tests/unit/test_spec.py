@@ -140,3 +140,22 @@ def test_average_factors():
     assert hc.get_codec("fp16").average_factors(True, 4) == (0.25, 1.0)  # divide before the sum
     assert hc.get_codec("topk").average_factors(True, 4) == (1.0, 0.25)  # divide when decoding
     assert hc.get_codec("fp16").average_factors(False, 4) == (1.0, 1.0)
+
+
+@pytest.mark.parametrize("spec, momentum, fix", [
+    ("onebit,ef=vanilla", 0.9, "onebit,scaling=true,ef=vanilla,momentum=nesterov,mu=0.9"),
+    ("topk,k=0.01,ef=vanilla", 0.5, "topk,k=0.01,ef=vanilla,momentum=nesterov,mu=0.5"),
+    # random-k diverges with momentum on either side of the codec: top-k is the fix
+    ("randomk,k=0.01,ef=vanilla", 0.9, "topk,k=0.01,ef=vanilla,momentum=nesterov,mu=0.9"),
+    ("randomk,k=0.05,ef=vanilla,momentum=nesterov,mu=0.5", 0.0,
+     "topk,k=0.05,ef=vanilla,momentum=nesterov,mu=0.5"),
+    ("onebit", 0.9, None), ("randomk,k=0.01", 0.9, None), ("randomk,k=0.01,ef=vanilla", 0, None),
+    ("onebit,ef=vanilla,momentum=nesterov", 0.0, None), ("dgc,k=0.01", 0.9, None),
+])
+def test_momentum_advice_names_the_spec_that_trains(spec, momentum, fix):
+    from hvd_compress.spec import momentum_advice
+    advice = momentum_advice(hc.parse_spec(spec), momentum)
+    if fix is None:
+        assert advice is None
+    else:
+        assert f'compression="{fix}"' in advice
