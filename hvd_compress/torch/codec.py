@@ -86,6 +86,23 @@ class TorchCodec:
         self.store = store
         self.rank, self.world = rank, world
         self._homo_words: dict[str, torch.Tensor] = {}
+        # Buckets in flight (hvd_compress.buckets): job name -> its members as (parameter name,
+        # gradient, start, stop), and the elementwise state gathered from their slots.
+        self._views: dict[str, list] = {}
+        self._gathered: dict[str, dict[str, torch.Tensor]] = {}
+        self._elementwise = {"ef", "momentum", *self.info.state_slots}
+
+    def view(self, name: str, members: list) -> None:
+        """Job `name` is a bucket of `members`: its elementwise state is theirs, gathered for
+        the step and scattered back by finish()."""
+        self._views[name] = members
+        self._gathered[name] = {}
+
+    def drop_views(self) -> None:
+        """Forget buckets of a step that never finished (their state was not scattered: the
+        store's rollback restores what the gathering touched)."""
+        self._views.clear()
+        self._gathered.clear()
 
     def encode(self, name: str, grad: torch.Tensor, *, prescale: float = 1.0) -> Encoded:
         """Momentum and error feedback (when configured), then the codec. May overwrite grad."""
@@ -122,6 +139,9 @@ class TorchCodec:
         size = self.info.ef_carry
         if not size:
             return _NO_CARRY
+        if name in self._views:  # settled into the members' residuals at the end of the step
+            return self._gathered[name].setdefault(
+                carry_kind(parts), torch.zeros(size * parts, device=like.device))
         return self._slot(name, carry_kind(parts), torch.zeros(size * parts, device=like.device))
 
     def settle(self) -> None:
@@ -146,7 +166,38 @@ class TorchCodec:
         if self.store is None:
             raise ValueError(f"{kind} state needs parameter names: use "
                              f"hvd_compress.torch.DistributedOptimizer")
-        return self.store.slot(name, kind, like)
+        members = self._views.get(name)
+        if members is None or kind not in self._elementwise:
+            return self.store.slot(name, kind, like)
+        gathered = self._gathered[name]
+        if kind not in gathered:
+            gathered[kind] = torch.cat([self.store.slot(m, kind, g).view(-1)[a:b]
+                                        for m, g, a, b in members])
+        return gathered[kind]
+
+    def _scatter(self, name: str) -> None:
+        """A bucket's gathered state back into its members' slots, its lazy residual scales
+        settled first (they belong to the bucket's encoding, not to any member)."""
+        members = self._views.pop(name, None)
+        if members is None:
+            return
+        gathered = self._gathered.pop(name)
+        e = gathered.get("ef")
+        size = self.info.ef_carry
+        for kind, carry in gathered.items():
+            parts = carry_parts(kind)
+            if parts and e is not None:
+                bounds = chunk_bounds(e.numel(), parts)
+                for j in range(parts):
+                    _C.ef_settle(self.info.kernel_id, e[bounds[j]:bounds[j + 1]],
+                                 carry[j * size:(j + 1) * size])
+        for kind, flat in gathered.items():
+            if carry_parts(kind):
+                continue
+            at = 0
+            for m, g, a, b in members:
+                self.store.slot(m, kind, g).view(-1)[a:b].copy_(flat[at:at + b - a])
+                at += b - a
 
     def decode(self, reduced: torch.Tensor, enc: Encoded, alpha: float,
                out: torch.Tensor | None = None) -> torch.Tensor:
@@ -354,6 +405,7 @@ class TorchCodec:
             out = torch.cat(pieces)
         if out.data_ptr() != grad.data_ptr() or not grad.is_contiguous():
             grad.copy_(out.view(grad.shape))
+        self._scatter(job.name)
         return grad
 
 

@@ -34,7 +34,7 @@ import horovod.torch as hvd
 import torch
 from horovod.torch.optimizer import _DistributedOptimizer
 
-from .. import collectives, stats
+from .. import buckets, collectives, stats
 from ..spec import CompressionConfig, momentum_advice
 from ..state import StateStore
 from ..stats import CompressionStats
@@ -63,7 +63,7 @@ class _CompressedReduction:
 
     def __init__(self, params, named_parameters, config, min_compress_bytes,
                  backward_passes_per_step, op, gradient_predivide_factor, sparse_as_dense,
-                 process_set, grad_scaler):
+                 process_set, grad_scaler, bucket_bytes=0):
         self._hvdc_config = config
         self._hvdc_scaler = grad_scaler
         self._hvdc_min_bytes = min_compress_bytes
@@ -95,6 +95,28 @@ class _CompressedReduction:
             self._hvdc_powersgd.plan(
                 (self._parameter_names[p], p) for p in self._requires_update
                 if p.numel() * p.element_size() >= min_compress_bytes)
+        # Bucketed parameters -> the buckets holding their pieces; per step, each bucket's
+        # members with a gradient so far, and the buckets in flight.
+        self._hvdc_pieces: dict[Any, list[buckets.Bucket]] = {}
+        self._hvdc_filling: dict[int, dict[str, tuple]] = {}
+        self._hvdc_flights: dict[int, tuple] = {}
+        if bucket_bytes and member and config.codec != "none" and config.info.rounds == 1:
+            self._hvdc_plan_buckets(bucket_bytes)
+
+    def _hvdc_plan_buckets(self, max_bytes: int) -> None:
+        """hvd_compress.buckets.layout over the parameters this optimizer compresses, in the
+        reverse of the order they were given (the order backward usually produces them)."""
+        by_name, order = {}, []
+        for group in reversed(self.param_groups):
+            for p in reversed(group["params"]):
+                if (p in self._requires_update and p.dtype in DTYPE_NAMES
+                        and p.dim() >= self._hvdc_codec.info.min_dim):
+                    name = self._parameter_names[p]
+                    by_name[name] = p
+                    order.append((name, p.numel(), DTYPE_NAMES[p.dtype], p.element_size()))
+        for bucket in buckets.layout(order, max_bytes, self._hvdc_min_bytes):
+            for m in bucket.members:
+                self._hvdc_pieces.setdefault(by_name[m.name], []).append(bucket)
 
     def _allreduce_grad_async(self, p):
         if self._hvdc_synced:  # the last step was synchronized but never taken
@@ -106,6 +128,8 @@ class _CompressedReduction:
                 self.load_compression_state_dict(elastic.shared_part(
                     self.compression_state_dict()))
             self._hvdc_store.begin()
+            self._hvdc_filling, self._hvdc_flights = {}, {}
+            self._hvdc_codec.drop_views()
             scaler = self._hvdc_scaler
             if scaler is not None and scaler.is_enabled():  # the scale these gradients carry
                 self._hvdc_store.rescale(float(scaler.get_scale()),
@@ -120,6 +144,8 @@ class _CompressedReduction:
             p.grad = p.grad.contiguous()
         grad = p.grad
         name = self._parameter_names.get(p)
+        if p in self._hvdc_pieces and not self._hvdc_joined():
+            return self._hvdc_bucketed(p, name, grad)
         if (grad.is_sparse or self._hvdc_config.codec == "none" or grad.dtype not in DTYPE_NAMES
                 or grad.numel() * grad.element_size() < self._hvdc_min_bytes
                 or grad.dim() < self._hvdc_codec.info.min_dim or self._hvdc_joined()):
@@ -137,6 +163,44 @@ class _CompressedReduction:
         self._hvdc_stats.record(name, job.info.name, grad.numel() * grad.element_size(),
                                 job.payload_bytes, job.strategy, job.wire_bytes)
         return pending, None
+
+    def _hvdc_bucketed(self, p, name, grad):
+        """p's gradient joins its buckets; each bucket that is then complete is sent."""
+        if grad.is_sparse or grad.dtype != p.dtype:
+            kind = "sparse" if grad.is_sparse else str(grad.dtype)
+            raise ValueError(f"parameter {name!r} has a {kind} gradient and cannot join its "
+                             f"bucket of {p.dtype} gradients; pass sparse_as_dense=True for "
+                             f"sparse gradients, or bucket_mb=0")
+        step = self._hvdc_store.next_step(name)
+        for bucket in self._hvdc_pieces[p]:
+            ready = self._hvdc_filling.setdefault(bucket.index, {})
+            ready[name] = (p, step)
+            if len(ready) == len(bucket.members):
+                self._hvdc_launch(bucket)
+        return BucketShare(self._hvdc_flights, self._hvdc_pieces[p], name, p), None
+
+    def _hvdc_launch(self, bucket) -> None:
+        """One job over the concatenation of the bucket's members that have a gradient."""
+        ready = self._hvdc_filling[bucket.index]
+        members = [m for m in bucket.members if m.name in ready]
+        grads = [ready[m.name][0].grad for m in members]
+        flat = torch.cat([g.reshape(-1)[m.start:m.stop] for g, m in zip(grads, members)])
+        name, step = bucket.named(members), ready[members[0].name][1]
+        ps = self.process_set
+        job = collectives.Job(name=name, n=flat.numel(), itemsize=flat.element_size(),
+                              config=self._hvdc_config, rank=ps.rank(), world=ps.size(),
+                              average=self.op == hvd.Average, opname=name, step=step,
+                              fields_step=step, nodes=self._hvdc_nodes, extra={"grad": flat})
+        collectives.choose(job)
+        self._hvdc_codec.view(name, [(m.name, g, m.start, m.stop) for g, m in zip(grads, members)])
+        offsets, at = {}, 0
+        for m in members:
+            offsets[m.name] = at
+            at += m.n
+        self._hvdc_flights[bucket.index] = (
+            PendingPlan(collectives.plan(job, self._hvdc_codec), self._hvdc_groups), offsets)
+        self._hvdc_stats.record(name, job.info.name, flat.numel() * flat.element_size(),
+                                job.payload_bytes, job.strategy, job.wire_bytes)
 
     def _hvdc_plain_allreduce_async(self, p):
         """Horovod's own allreduce of p.grad. Horovod 0.28.1 has no bfloat16 allreduce: such a
@@ -205,11 +269,20 @@ class _CompressedReduction:
         for p in self._requires_update - nowhere:
             if p not in self._handles:
                 self._handles[p] = self._allreduce_grad_async(p)
-        # Two-round codecs: every first round is finished and every second round issued before
-        # Horovod's loop waits on any result, so the second allreduces overlap each other.
+        # Buckets with members that no rank has a gradient for go without them (every rank
+        # leaves out the same ones).
+        for bucket in {b.index: b for bs in self._hvdc_pieces.values() for b in bs}.values():
+            if bucket.index in self._hvdc_filling and bucket.index not in self._hvdc_flights:
+                self._hvdc_launch(bucket)
+        # Every plan is moved on by one collective before Horovod's loop waits on any result,
+        # so that second collectives (two-round codecs, the compressed allreduce's allgather)
+        # overlap each other. A bucket's plan is moved once, whatever its member count.
+        moved = set()
         for handle, _ in list(self._handles.values()):
-            if hasattr(handle, "prepare"):
-                handle.prepare()
+            for plan in getattr(handle, "plans", (handle,)):
+                if hasattr(plan, "prepare") and id(plan) not in moved:
+                    moved.add(id(plan))
+                    plan.prepare()
         everything = self._requires_update
         self._requires_update = everything - nowhere
         try:
@@ -217,6 +290,7 @@ class _CompressedReduction:
         finally:
             self._requires_update = everything
         self._hvdc_active = None  # counted again next step
+        self._hvdc_filling, self._hvdc_flights = {}, {}
         if self._hvdc_powersgd is not None:
             self._hvdc_powersgd.end_step()
         store = self._hvdc_store
@@ -335,6 +409,27 @@ def _ring_allreduce_bytes(nbytes: int, world: int) -> float:
 _OPS = {"sum": hvd.Sum, "max": hvd.Max}
 
 
+class BucketShare:
+    """A parameter's reduced gradient out of the buckets holding its pieces (the handle Horovod's
+    synchronize() calls); its buckets are sent when their last member arrives."""
+
+    def __init__(self, flights: dict, held: list, name: str, p):
+        self._flights, self._held, self._name, self._p = flights, held, name, p
+
+    @property
+    def plans(self) -> list:
+        return [self._flights[b.index][0] for b in self._held]
+
+    def __call__(self) -> torch.Tensor:
+        pieces = []
+        for bucket in self._held:
+            plan, offsets = self._flights[bucket.index]
+            at, n = offsets[self._name], next(m.n for m in bucket.members if m.name == self._name)
+            pieces.append(plan()[at:at + n])
+        out = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        return out.view(self._p.shape)
+
+
 class PendingPlan:
     """A reduction plan in flight: each collective it yields is issued asynchronously; the plan
     resumes when its result is needed. Horovod's synchronize() calls the handle for the
@@ -393,8 +488,10 @@ def node_process_sets(process_set):
                                           hvd.global_process_set, _node_sets)
 
 
-def _check_ranks_agree(config: CompressionConfig, min_bytes: int, process_set) -> None:
-    mine = f"{config.canonical()};min_compress_bytes={min_bytes}".encode()
+def _check_ranks_agree(config: CompressionConfig, min_bytes: int, max_bucket_bytes: int,
+                       process_set) -> None:
+    mine = (f"{config.canonical()};min_compress_bytes={min_bytes};"
+            f"bucket_bytes={max_bucket_bytes}").encode()
     sizes = hvd.allgather(torch.tensor([len(mine)]), name="hvd_compress.spec_check.sizes",
                           process_set=process_set)
     blob = hvd.allgather(torch.frombuffer(bytearray(mine), dtype=torch.uint8),
@@ -403,14 +500,15 @@ def _check_ranks_agree(config: CompressionConfig, min_bytes: int, process_set) -
     if len(set(theirs)) > 1:
         detail = "; ".join(f"rank {r}: {s}" for r, s in enumerate(theirs))
         raise ValueError(f"ranks disagree on the compression spec ({detail}); every rank must "
-                         f"pass the same compression and min_compress_bytes")
+                         f"pass the same compression, min_compress_bytes and bucket_mb")
 
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression="none",
                          backward_passes_per_step=1, op=hvd.Average,
                          gradient_predivide_factor=1.0, num_groups=0, groups=None,
                          sparse_as_dense=False, process_set=hvd.global_process_set,
-                         min_compress_bytes=DEFAULT_MIN_COMPRESS_BYTES, grad_scaler=None):
+                         min_compress_bytes=DEFAULT_MIN_COMPRESS_BYTES, grad_scaler=None,
+                         bucket_mb=0):
     """Wrap `optimizer` like `horovod.torch.DistributedOptimizer`, compressing gradients.
 
     compression: a spec string ("topk,k=0.01,ef=vanilla"), a dict with BytePS keys, a
@@ -422,8 +520,16 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression="none",
     grad_scaler: the `torch.amp.GradScaler` whose scaled gradients this optimizer reduces.
         Compression state in gradient units (residuals, momenta, DGC velocities) is rescaled
         whenever the loss scale changes, so that it always meets gradients in its own units.
+    bucket_mb: compress and send gradients in buckets of up to this many MiB (hvd_compress.buckets),
+        larger tensors in pieces of that size; 0 (the default) sends each gradient alone.
+        A bucket's selection (top-k, DGC, threshold) and scales (onebit, quantisers) span the
+        whole bucket; state stays keyed by parameter name. PowerSGD keeps its per-matrix batches.
     """
     config = _to_config(compression)
+    max_bytes = buckets.bucket_bytes(bucket_mb)
+    if max_bytes and config.hierarchical:
+        raise ValueError("bucket_mb is not supported with hierarchical=true yet: the two-level "
+                         "strategy shards each gradient itself; pass bucket_mb=0")
     if op not in (hvd.Average, hvd.Sum):
         raise ValueError(f"op={op} is not supported with compression; valid: hvd.Average, hvd.Sum")
     if gradient_predivide_factor != 1.0 and op != hvd.Average:
@@ -454,7 +560,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression="none",
     # the reset's sync: no collective may run here, and the sync checks the spec instead.
     if (process_set.included() and process_set.size() > 1
             and os.environ.get("HOROVOD_ELASTIC") != "1"):
-        _check_ranks_agree(config, min_compress_bytes, process_set)
+        _check_ranks_agree(config, min_compress_bytes, max_bytes, process_set)
 
     namespace = dict(_DistributedOptimizer.__dict__)
     for key, value in _CompressedReduction.__dict__.items():
@@ -463,4 +569,4 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression="none",
     cls = type(optimizer.__class__.__name__, (optimizer.__class__, elastic.CompressedOptimizer), namespace)
     return cls(optimizer.param_groups, named_parameters, config, min_compress_bytes,
                backward_passes_per_step, op, gradient_predivide_factor, sparse_as_dense,
-               process_set, grad_scaler)
+               process_set, grad_scaler, max_bytes)
