@@ -171,9 +171,9 @@ class TorchCodec:
             return self.store.slot(name, kind, like)
         gathered = self._gathered[name]
         if kind not in gathered:
-            gathered[kind] = torch.cat([self.store.slot(m, kind, g).view(-1)[a:b]
-                                        for m, g, a, b in members])
-        return gathered[kind]
+            views = [self.store.slot(m, kind, g).view(-1)[a:b] for m, g, a, b in members]
+            gathered[kind] = (torch.cat(views), views)
+        return gathered[kind][0]
 
     def _scatter(self, name: str) -> None:
         """A bucket's gathered state back into its members' slots, its lazy residual scales
@@ -182,7 +182,7 @@ class TorchCodec:
         if members is None:
             return
         gathered = self._gathered.pop(name)
-        e = gathered.get("ef")
+        e = gathered["ef"][0] if "ef" in gathered else None
         size = self.info.ef_carry
         for kind, carry in gathered.items():
             parts = carry_parts(kind)
@@ -191,13 +191,14 @@ class TorchCodec:
                 for j in range(parts):
                     _C.ef_settle(self.info.kernel_id, e[bounds[j]:bounds[j + 1]],
                                  carry[j * size:(j + 1) * size])
-        for kind, flat in gathered.items():
+        for kind, held in gathered.items():
             if carry_parts(kind):
                 continue
+            flat, views = held
             at = 0
-            for m, g, a, b in members:
-                self.store.slot(m, kind, g).view(-1)[a:b].copy_(flat[at:at + b - a])
-                at += b - a
+            for view in views:
+                view.copy_(flat[at:at + view.numel()])
+                at += view.numel()
 
     def decode(self, reduced: torch.Tensor, enc: Encoded, alpha: float,
                out: torch.Tensor | None = None) -> torch.Tensor:

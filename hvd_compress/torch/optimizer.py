@@ -195,7 +195,7 @@ class _CompressedReduction:
         self._hvdc_codec.view(name, [(m.name, g, m.start, m.stop) for g, m in zip(grads, members)])
         offsets, at = {}, 0
         for m in members:
-            offsets[m.name] = at
+            offsets[m.name] = (at, m.n)
             at += m.n
         self._hvdc_flights[bucket.index] = (
             PendingPlan(collectives.plan(job, self._hvdc_codec), self._hvdc_groups), offsets)
@@ -290,11 +290,12 @@ class _CompressedReduction:
         finally:
             self._requires_update = everything
         self._hvdc_active = None  # counted again next step
-        self._hvdc_filling, self._hvdc_flights = {}, {}
         if self._hvdc_powersgd is not None:
             self._hvdc_powersgd.end_step()
         store = self._hvdc_store
-        if store.touched() and not self._hvdc_finite():
+        finite = not store.touched() or self._hvdc_finite()
+        self._hvdc_filling, self._hvdc_flights = {}, {}
+        if not finite:
             store.rollback()
         elif store.in_step:
             self._hvdc_synced = True
@@ -338,8 +339,13 @@ class _CompressedReduction:
         return True
 
     def _hvdc_finite(self) -> bool:
-        flags = [all_finite(g._values() if g.is_sparse else g)
-                 for g in (p.grad for p in self._requires_update) if g is not None]
+        # A bucketed gradient is a view of its bucket's reduced tensor: one check per bucket.
+        reduced = [plan() for plan, _ in self._hvdc_flights.values()]
+        reduced += [g._values() if g.is_sparse else g
+                    for g in (p.grad for p in self._requires_update
+                              if p not in self._hvdc_pieces or not self._hvdc_flights)
+                    if g is not None]
+        flags = [all_finite(t) for t in reduced]
         return not flags or bool(torch.stack(flags).all())
 
     def _hvdc_abandon(self) -> None:
@@ -424,7 +430,7 @@ class BucketShare:
         pieces = []
         for bucket in self._held:
             plan, offsets = self._flights[bucket.index]
-            at, n = offsets[self._name], next(m.n for m in bucket.members if m.name == self._name)
+            at, n = offsets[self._name]
             pieces.append(plan()[at:at + n])
         out = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
         return out.view(self._p.shape)
