@@ -428,7 +428,9 @@ class TorchAdapter:
         return t.numpy().copy()
 
     def from_numpy(self, a: np.ndarray, like: torch.Tensor) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(a)).to(dtype=like.dtype, device=like.device)
+        # A copy: a slot sharing the loaded array's memory would change the caller's state dict
+        # (an elastic commit, a checkpoint kept in memory) as training goes on.
+        return torch.from_numpy(np.array(a)).to(dtype=like.dtype, device=like.device)
 
     def new_counter(self, value: int) -> list:
         return [value]

@@ -46,6 +46,20 @@ def test_state_dict_round_trip_with_numpy_arrays_all_dtypes():
     assert s2.next_step("p_x") == 1
 
 
+@pytest.mark.parametrize("live", [True, False])
+def test_a_loaded_state_dict_is_not_changed_by_training_on(live):
+    """An elastic commit or a checkpoint kept in memory is loaded again later: the slots it
+    fills must not share its arrays (live: the slot exists; else it is made at first use)."""
+    s = store()
+    if live:
+        s.slot("w", "ef", torch.zeros(4))
+    sd = {"format": s.state_dict()["format"], "spec": "", "steps": {},
+          "slots": {"w": {"ef": np.arange(4, dtype=np.float32)}}}
+    s.load_state_dict(sd)
+    s.slot("w", "ef", torch.zeros(4)).add_(100)
+    assert same_bits(sd["slots"]["w"]["ef"], np.arange(4, dtype=np.float32))
+
+
 def test_bad_checkpoints_are_refused_and_change_nothing():
     s = store("topk")
     live = s.slot("w", "ef", torch.ones(3))
