@@ -103,8 +103,9 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/codecs.py
 	$(PY) bench/convergence.py
+	$(PY) bench/convergence.py --model cnn --bucket-mb 1 --ef-only
 	$(PY) bench/scaling.py
-	$(PY) bench/tensors.py
+	$(PY) bench/tensors.py --bucket-mb 4
 	$(PY) bench/network.py
 	$(PY) bench/network.py --layout 2x2
 	$(PY) bench/cost_model.py

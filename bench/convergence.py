@@ -6,6 +6,8 @@ error feedback, from the same seeds; final test accuracy and the training-loss c
     python bench/convergence.py --quick     # 15 epochs
     python bench/convergence.py --ranks 4 --collective allreduce --ef-only
                                             # the compressed allreduce at 4 ranks
+    python bench/convergence.py --model cnn --bucket-mb 1 --ef-only
+                                            # a small CNN's 10 tensors, in one bucket
 
 Every run: 1437 training and 360 test images (stratified split, seed 0), global batch 64 split
 between the ranks, plain SGD with lr 0.1 (dgc adds its own momentum correction), all tensors
@@ -44,6 +46,20 @@ GLOBAL_BATCH = 64
 # Plain SGD: with momentum 0.9 at this learning rate the sign codecs and random-k diverge once
 # error feedback is on (see docs/benchmarks.md); --momentum reproduces that.
 LR, MOMENTUM = 0.1, 0.0
+MODELS = {"mlp": "MLP 64-128-64-10",
+          "cnn": "CNN conv3x3(16)-conv3x3(32)-maxpool-conv3x3(32)-fc64-fc10, 10 small tensors"}
+
+
+def make_model(kind):
+    import torch
+    nn = torch.nn
+    if kind == "mlp":
+        return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64), nn.ReLU(),
+                             nn.Linear(64, 10))
+    return nn.Sequential(nn.Unflatten(1, (1, 8, 8)), nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(),
+                         nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Conv2d(32, 32, 3, padding=1), nn.ReLU(), nn.Flatten(),
+                         nn.Linear(512, 64), nn.ReLU(), nn.Linear(64, 10))
 
 
 def worker(args):
@@ -68,12 +84,10 @@ def worker(args):
     out = []
     for spec in json.loads(args.specs):
         torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(),
-                                    torch.nn.Linear(128, 64), torch.nn.ReLU(),
-                                    torch.nn.Linear(64, 10))
+        model = make_model(args.model)
         sgd = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
         opt = hvdc.DistributedOptimizer(sgd, model.named_parameters(), compression=spec,
-                                        min_compress_bytes=0)
+                                        min_compress_bytes=0, bucket_mb=args.bucket_mb)
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         order = torch.Generator().manual_seed(1)  # the same shuffle on both ranks
         curve = []
@@ -172,6 +186,9 @@ def main():
     ap.add_argument("--collective", default="auto", help="routes every spec: auto, allgather, "
                     "allreduce (codecs that cannot travel that way are left out)")
     ap.add_argument("--ef-only", action="store_true", help="only the runs with error feedback")
+    ap.add_argument("--model", choices=list(MODELS), default="mlp")
+    ap.add_argument("--bucket-mb", type=float, default=0,
+                    help="the optimizer's bucket_mb (0: every tensor alone)")
     ap.add_argument("--out", default=results.DEFAULT_OUT)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--specs", help=argparse.SUPPRESS)
@@ -188,18 +205,24 @@ def main():
         cmd = [horovodrun, "--gloo", "-np", str(args.ranks), "-H", f"localhost:{args.ranks}",
                sys.executable,
                os.path.abspath(__file__), "--worker", "--epochs", str(epochs), "--lr", str(args.lr),
-               "--momentum", str(args.momentum), "--specs",
+               "--momentum", str(args.momentum), "--model", args.model, "--bucket-mb",
+               str(args.bucket_mb), "--specs",
                json.dumps(specs), "--result", result]
         subprocess.run(cmd, check=True, timeout=3600)
         with open(result) as f:
             got = json.load(f)
     settings = {"epochs": epochs, "ranks": args.ranks, "global_batch": GLOBAL_BATCH, "lr": args.lr,
-                "momentum": args.momentum, "model": "MLP 64-128-64-10",
+                "momentum": args.momentum, "model": MODELS[args.model],
+                "bucket_mb": args.bucket_mb,
                 "data": "sklearn digits, 80/20", "collective": args.collective,
                 "ef_only": args.ef_only}
     name = "convergence"
     if (args.ranks, args.collective) != (2, "auto"):
         name += f"_{args.ranks}ranks_{args.collective}"
+    if args.model != "mlp":
+        name += f"_{args.model}"
+    if args.bucket_mb:
+        name += f"_buckets{args.bucket_mb:g}mb"
     report(got, settings, args.out, name)
 
 

@@ -261,3 +261,21 @@ def test_a_bucketed_checkpoint_loads_without_buckets_or_with_another_size(bucket
             assert after["slots"][m.name]["ef"].shape == SHAPES[m.name]
             assert same_bits(after["slots"][m.name]["ef"].reshape(-1), sim.e[RANK][at:at + m.n]), m
             at += m.n
+
+
+def test_a_bucket_is_sent_when_its_last_gradient_arrives_during_backward():
+    """Overlap: the pieces of "emb" leave as soon as its gradient exists, before the gradients
+    of the other bucket are computed; that one leaves with its last member."""
+    spec = "topk,k=0.05,ef=vanilla"
+    params, opt = bucketed(spec)
+    oracle = BucketOracle(spec)
+    grads = step_grads(0)
+    opt.zero_grad()
+    (params["emb"] * torch.from_numpy(grads["emb"][RANK])).sum().backward()
+    assert sorted(opt._hvdc_flights) == [0, 1, 2]
+    (params["w"] * torch.from_numpy(grads["w"][RANK])).sum().backward()
+    assert sorted(opt._hvdc_flights) == [0, 1, 2]
+    sum((params[n] * torch.from_numpy(grads[n][RANK])).sum() for n in ("v", "bias")).backward()
+    assert sorted(opt._hvdc_flights) == [0, 1, 2, 3]
+    opt.synchronize()
+    oracle.check({n: t2n(p.grad) for n, p in params.items()}, oracle(grads), "overlap")
