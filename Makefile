@@ -40,7 +40,7 @@ test-parallel: $(STAMP)
 # 8 ranks oversubscribe the 2-core CI machine: the tensors are small and the steps few).
 RANKS     := 2 3 4 8
 RANK_TESTS := tests/parallel/test_torch_collectives.py tests/parallel/test_tf_collectives.py \
-              tests/parallel/test_torch_buckets.py
+              tests/parallel/test_torch_buckets.py tests/parallel/test_tf_buckets.py
 # The two-level strategy: 4 ranks that Horovod's Gloo mode takes for 2 nodes of 2 (tests/nodes.py).
 NODE_TESTS := tests/parallel/test_torch_two_level.py tests/parallel/test_tf_two_level.py
 test-ranks: $(STAMP)

@@ -81,15 +81,17 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="",
                             compression: Any = "none", sparse_as_dense=False, op=hvd.Average,
                             gradient_predivide_factor=1.0, num_groups=0, groups=None,
                             process_set=hvd.global_process_set, scale_local_gradients=True,
-                            min_compress_bytes: int = DEFAULT_MIN_COMPRESS_BYTES):
+                            min_compress_bytes: int = DEFAULT_MIN_COMPRESS_BYTES,
+                            bucket_mb: float = 0):
     """Wrap a tf.GradientTape like `horovod.tensorflow.DistributedGradientTape` (same arguments,
-    in the same order, plus `min_compress_bytes`), compressing gradients. Error-feedback,
-    momentum and step state is kept per variable name and shared by every tape built with the
-    same arguments, so a new tape each step carries it over. `register_local_source` and
-    `get_local_and_global_gradients` behave as Horovod's."""
+    in the same order, plus `min_compress_bytes` and `bucket_mb`, as in the torch optimizer),
+    compressing gradients. Error-feedback, momentum and step state is kept per variable name and
+    shared by every tape built with the same arguments, so a new tape each step carries it over.
+    `register_local_source` and `get_local_and_global_gradients` behave as Horovod's."""
     check_horovod_arguments(device_dense, device_sparse, gradient_predivide_factor, num_groups,
                             groups)
-    reducer = reducer_for(compression, min_compress_bytes, op, process_set, sparse_as_dense)
+    reducer = reducer_for(compression, min_compress_bytes, op, process_set, sparse_as_dense,
+                          bucket_mb)
     cls = type(gradtape.__class__.__name__, (gradtape.__class__,),
                dict(_CompressedTape.__dict__))
     return cls(gradtape._tape, gradtape._persistent, gradtape._watch_accessed_variables, reducer,
@@ -101,7 +103,8 @@ def PartialDistributedGradientTape(gradtape, device_dense="", device_sparse="",
                                    op=hvd.Average, gradient_predivide_factor=1.0, num_groups=0,
                                    groups=None, process_set=hvd.global_process_set,
                                    local_layers=None, scale_local_gradients=True,
-                                   min_compress_bytes: int = DEFAULT_MIN_COMPRESS_BYTES):
+                                   min_compress_bytes: int = DEFAULT_MIN_COMPRESS_BYTES,
+                                   bucket_mb: float = 0):
     """Like `horovod.tensorflow.PartialDistributedGradientTape`: the trainable weights of
     `local_layers` (a Keras layer or a list of them) stay local, the rest are compressed."""
     if local_layers is None:
@@ -112,7 +115,8 @@ def PartialDistributedGradientTape(gradtape, device_dense="", device_sparse="",
         raise ValueError("local_layers must be tf.keras.layers.Layer objects")
     tape = DistributedGradientTape(gradtape, device_dense, device_sparse, compression,
                                    sparse_as_dense, op, gradient_predivide_factor, num_groups,
-                                   groups, process_set, scale_local_gradients, min_compress_bytes)
+                                   groups, process_set, scale_local_gradients, min_compress_bytes,
+                                   bucket_mb)
     for layer in local_layers:
         for var in layer.trainable_weights:
             tape.register_local_source(var)
@@ -121,19 +125,20 @@ def PartialDistributedGradientTape(gradtape, device_dense="", device_sparse="",
 
 def DistributedOptimizer(optimizer, compression: Any = "none", op=hvd.Average,
                          min_compress_bytes: int = DEFAULT_MIN_COMPRESS_BYTES, name=None,
-                         process_set=hvd.global_process_set, **horovod_kwargs):
+                         process_set=hvd.global_process_set, bucket_mb: float = 0,
+                         **horovod_kwargs):
     """Like `horovod.tensorflow.DistributedOptimizer`: TF1-style `tf.compat.v1.train`
     optimizers are wrapped here, Keras optimizers by hvd_compress.tensorflow.keras."""
     if not isinstance(optimizer, tf.compat.v1.train.Optimizer):
         from .keras import DistributedOptimizer as keras_optimizer
         return keras_optimizer(optimizer, compression=compression, op=op,
                                min_compress_bytes=min_compress_bytes, name=name,
-                               process_set=process_set, **horovod_kwargs)
+                               process_set=process_set, bucket_mb=bucket_mb, **horovod_kwargs)
     if horovod_kwargs.get("backward_passes_per_step", 1) != 1:
         raise ValueError("backward_passes_per_step > 1 is not supported with compression")
     pop_horovod_arguments(horovod_kwargs)
     reducer = new_reducer(compression, min_compress_bytes, op, process_set,
-                          horovod_kwargs.get("sparse_as_dense", False))
+                          horovod_kwargs.get("sparse_as_dense", False), bucket_mb)
     warn_about_momentum(optimizer, reducer.config)
     # Horovod's own, also when `python -m hvd_compress` has put ours in its place.
     opt = inspect.unwrap(hvd.DistributedOptimizer)(optimizer, name=name, op=op,

@@ -110,6 +110,7 @@ class _Residual:
     carries: list  # each part's lazy scale, as read (empty tensors for codecs without one)
     pieces: list = field(default_factory=list)
     new_carries: list = field(default_factory=list)
+    settle: int | None = None  # a bucket's codec: scales settled into the residual, not kept
 
 
 def _decode(payload, step, alpha, dtype, n: int, attrs: dict):
@@ -121,6 +122,34 @@ def _decode(payload, step, alpha, dtype, n: int, attrs: dict):
     return tf.cast(out, dtype) if wide else out
 
 
+class BucketSlot:
+    """A bucket's elementwise state (hvd_compress.buckets) over its members' own variables: read
+    as the concatenation of their elements, assigned back to each member's elements. Stands where
+    a codec reads and assigns one tensor's slot variable."""
+
+    def __init__(self, members: list):
+        self._members = members  # (variable, start, stop)
+        self.shape = tf.TensorShape([sum(b - a for _, a, b in members)])
+        self.dtype = members[0][0].dtype
+
+    def value(self):
+        return tf.concat([tf.reshape(v, [-1])[a:b] for v, a, b in self._members], 0)
+
+    def assign(self, value):
+        flat, at = tf.reshape(value, [-1]), 0
+        for v, a, b in self._members:
+            piece, at = flat[at:at + b - a], at + b - a
+            n = v.shape.num_elements()
+            if (a, b) != (0, n):
+                whole = tf.reshape(v, [-1])
+                piece = tf.concat([whole[:a], piece, whole[b:]], 0)
+            v.assign(tf.reshape(piece, v.shape))
+
+
+tf.register_tensor_conversion_function(
+    BucketSlot, lambda slot, dtype=None, name=None, as_ref=False: slot.value())
+
+
 class TFCodec:
     def __init__(self, config: CompressionConfig, store: StateStore | None, rank: int = 0,
                  world: int = 1):
@@ -128,6 +157,14 @@ class TFCodec:
         self.info = config.info
         self.store = store
         self.rank, self.world = rank, world
+        # Buckets being reduced: job name -> members as (parameter name, gradient, start, stop).
+        self._views: dict[str, list] = {}
+        self._elementwise = {"ef", "momentum", *self.info.state_slots}
+
+    def view(self, name: str, members: list) -> None:
+        """Job `name` is a bucket of `members`: its elementwise state is theirs (BucketSlot),
+        and its lazy residual scales are settled into them at the end of the step."""
+        self._views[name] = members
 
     def attrs(self, name: str, n: int, step: int = 0) -> dict:
         """Op attributes (see CompressionConfig.kernel_fields)."""
@@ -197,6 +234,8 @@ class TFCodec:
         other codecs take."""
         if not self.info.ef_carry:
             return tf.zeros([0])
+        if name in self._views:  # settled into the members' residuals by finish()
+            return tf.zeros([self.info.ef_carry * parts])
         return self._slot(name, carry_kind(parts), tf.zeros([self.info.ef_carry * parts]))
 
     def _slot(self, name: str, kind: str, like):
@@ -204,7 +243,10 @@ class TFCodec:
             raise ValueError(f"{kind} state needs parameter names: use "
                              f"hvd_compress.tensorflow.DistributedGradientTape or "
                              f"hvd_compress.tensorflow.keras.DistributedOptimizer")
-        return self.store.slot(name, kind, like)
+        members = self._views.get(name)
+        if members is None or kind not in self._elementwise:
+            return self.store.slot(name, kind, like)
+        return BucketSlot([(self.store.slot(m, kind, g), a, b) for m, g, a, b in members])
 
     def decode(self, reduced, enc: Encoded, alpha: float):
         out = _decode(reduced, enc.step, tf.constant(alpha, tf.float64), enc.dtype, enc.n,
@@ -324,10 +366,12 @@ class TFCodec:
             parts = len(bounds) - 1
             cuts = tf.split(tf.reshape(var, [-1]), np.diff(bounds).tolist())
             carry = self._carry(job.name, parts)
+            bucket = job.name in self._views
             res = job.extra["residual"] = _Residual(
                 var, dict(zip(zip(bounds, bounds[1:]), cuts)),
-                carry if self.info.ef_carry else None,
-                tf.split(carry, parts) if self.info.ef_carry else [carry] * parts)
+                carry if self.info.ef_carry and not bucket else None,
+                tf.split(carry, parts) if self.info.ef_carry else [carry] * parts,
+                settle=self.info.kernel_id if self.info.ef_carry and bucket else None)
         payload, e_new, carry = lib.hvdc_ef_encode(x, res.parts[part.start, part.stop],
                                                    res.carries[part.index], job.step, pres,
                                                    W=wire, **attrs)
@@ -460,14 +504,17 @@ class TFCodec:
                                     T=job.extra["grad"].dtype, n=job.n, block=block,
                                     levels=levels, lane_ranks=job.world, summands=job.world)
 
-    @staticmethod
-    def finish(job: Job, pieces: list):
+    def finish(self, job: Job, pieces: list):
+        self._views.pop(job.name, None)
         held = job.extra.pop("codec_state", None)
         if held is not None:
             for v, new in zip(held.variables, zip(*held.pieces)):
                 v.assign(tf.reshape(tf.concat(new, 0), v.shape))
         res = job.extra.pop("residual", None)
         if res is not None:
+            if res.settle is not None:
+                res.pieces = [lib.hvdc_ef_settle(e, c, codec=res.settle)[0]
+                              for e, c in zip(res.pieces, res.new_carries)]
             res.var.assign(tf.reshape(tf.concat(res.pieces, 0), res.var.shape))
             if res.carry_var is not None:
                 res.carry_var.assign(tf.concat(res.new_carries, 0))

@@ -29,8 +29,10 @@ from .reducer import (DEFAULT_MIN_COMPRESS_BYTES, Reducer, attach, new_reducer,
 
 def DistributedOptimizer(optimizer, compression: Any = "none", op=hvd.Average,
                          min_compress_bytes: int = DEFAULT_MIN_COMPRESS_BYTES, name=None,
-                         process_set=hvd.global_process_set, **horovod_kwargs):
-    """Wrap a Keras optimizer like `horovod.tensorflow.keras.DistributedOptimizer`.
+                         process_set=hvd.global_process_set, bucket_mb: float = 0,
+                         **horovod_kwargs):
+    """Wrap a Keras optimizer like `horovod.tensorflow.keras.DistributedOptimizer`; bucket_mb
+    as in the torch optimizer (hvd_compress.buckets).
 
     The result also has `compression_state_dict()`, `load_compression_state_dict(state)` and
     `compression_stats`. Horovod's keyword arguments pass through, except those the compressed
@@ -39,7 +41,7 @@ def DistributedOptimizer(optimizer, compression: Any = "none", op=hvd.Average,
     gradients of the passes locally and the sum is compressed once per update."""
     pop_horovod_arguments(horovod_kwargs)
     reducer = new_reducer(compression, min_compress_bytes, op, process_set,
-                          horovod_kwargs.get("sparse_as_dense", False))
+                          horovod_kwargs.get("sparse_as_dense", False), bucket_mb)
     warn_about_momentum(optimizer, reducer.config)
     # Horovod's own, also when `python -m hvd_compress` has put ours in its place.
     opt = inspect.unwrap(hvd_keras.DistributedOptimizer)(

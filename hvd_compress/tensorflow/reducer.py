@@ -13,7 +13,7 @@ import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
 
-from .. import collectives, stats
+from .. import buckets, collectives, stats
 from ..compressor import CompressorBase
 from ..spec import CompressionConfig, momentum_advice, parse_spec
 from ..state import StateStore
@@ -99,7 +99,7 @@ def pop_horovod_arguments(kwargs: dict) -> None:
 
 class Reducer:
     def __init__(self, config: CompressionConfig, min_compress_bytes: int, op, process_set,
-                 sparse_as_dense: bool = False):
+                 sparse_as_dense: bool = False, bucket_bytes: int = 0):
         if op not in (hvd.Average, hvd.Sum):
             raise ValueError(f"op={op} is not supported with compression; valid: hvd.Average, "
                              f"hvd.Sum")
@@ -111,6 +111,12 @@ class Reducer:
         self.op = op
         self.process_set = process_set
         self.sparse_as_dense = sparse_as_dense
+        # PowerSGD keeps its per-matrix batches (as in the torch frontend).
+        self.bucket_bytes = bucket_bytes if config.info.rounds == 1 else 0
+        if bucket_bytes and config.hierarchical:
+            raise ValueError("bucket_mb is not supported with hierarchical=true yet: the "
+                             "two-level strategy shards each gradient itself; pass bucket_mb=0")
+        self._layouts: dict[tuple, list] = {}
         self.store = StateStore(TFAdapter(), spec=config.canonical())
         self.codec = TFCodec(config, self.store, rank=self._rank(), world=self._world())
         self.powersgd = self._powersgd(config)
@@ -184,6 +190,8 @@ class Reducer:
             units = self._rescale()
             if self.powersgd is not None:
                 reduced = self._reduce_powersgd(grads, names)
+            elif self.bucket_bytes and self.config.codec != "none":
+                reduced = self._reduce_in_buckets(grads, variables, names)
             else:
                 reduced = [self._reduce_one(g, name) for g, name in zip(grads, names)]
         except BaseException:
@@ -349,12 +357,14 @@ class Reducer:
                                    process_set=ps)
         return received
 
-    def _kept_plain(self, grad, name: str) -> bool:
-        """Whether the gradient travels uncompressed whatever the codec (recorded so)."""
+    def _kept_plain(self, grad, name: str, bucket: bool = False) -> bool:
+        """Whether the gradient travels uncompressed whatever the codec (recorded so). A
+        bucket's members had their dimensions checked, not the flat bucket."""
         nbytes = (grad.shape.num_elements() or 0) * grad.dtype.size
         if (isinstance(grad, tf.IndexedSlices) or self.config.codec == "none"
                 or grad.dtype not in DTYPE_NAMES or grad.shape.num_elements() is None
-                or nbytes < self.min_bytes or grad.shape.rank < self.codec.info.min_dim):
+                or nbytes < self.min_bytes
+                or (not bucket and grad.shape.rank < self.codec.info.min_dim)):
             if not isinstance(grad, tf.IndexedSlices):
                 self._record_plain(name, grad)
             return True
@@ -402,27 +412,87 @@ class Reducer:
     def _by_name(reduced: dict, items: list) -> list:
         return [reduced[name] for name, _, _ in items]
 
-    def _reduce_one(self, grad, name: str):
+    def _layout(self, variables, names) -> list:
+        """hvd_compress.buckets.layout over the variables this reducer compresses, in the
+        reverse of their order (backward's), as the torch frontend lays out its parameters."""
+        key = tuple(names)
+        if key not in self._layouts:
+            order = [(name, v.shape.num_elements(), DTYPE_NAMES[v.dtype.base_dtype],
+                      v.dtype.size)
+                     for v, name in reversed(list(zip(variables, names)))
+                     if v.dtype.base_dtype in DTYPE_NAMES and v.shape.is_fully_defined()
+                     and v.shape.rank >= self.codec.info.min_dim]
+            self._layouts[key] = buckets.layout(order, self.bucket_bytes, self.min_bytes)
+        return self._layouts[key]
+
+    def _reduce_in_buckets(self, grads, variables, names) -> list:
+        """Each bucket's dense gradients as one tensor through _reduce_one, with its members'
+        state (TFCodec.view); a member without a dense gradient (None, IndexedSlices) is left
+        out of its bucket, as on every rank, and reduced alone."""
+        layout = self._layout(variables, names)
+        dense = {name: g for g, name in zip(grads, names)
+                 if g is not None and not isinstance(g, tf.IndexedSlices)}
+        inside = {m.name for b in layout for m in b.members}
+        steps = self._member_steps([n for n in dense if n in inside])
+        pieces: dict[str, list] = {}
+        for bucket in layout:
+            present = [m for m in bucket.members if m.name in dense]
+            if not present:
+                continue
+            flat = tf.concat([tf.reshape(dense[m.name], [-1])[m.start:m.stop] for m in present],
+                             0)
+            name = bucket.named(present)
+            self.codec.view(name, [(m.name, dense[m.name], m.start, m.stop) for m in present])
+            reduced = self._reduce_one(flat, name, step=steps.get(present[0].name), bucket=True)
+            at = 0
+            for m in present:
+                pieces.setdefault(m.name, []).append(reduced[at:at + m.n])
+                at += m.n
+        out = []
+        for g, name in zip(grads, names):
+            if name not in pieces:
+                out.append(self._reduce_one(g, name))
+            else:
+                got = pieces[name]
+                out.append(tf.reshape(got[0] if len(got) == 1 else tf.concat(got, 0), g.shape))
+        return out
+
+    def _counted(self) -> bool:
+        """Only codecs that read the step keep a counter variable: seeded ones (and the
+        homomorphic strategy, which rounds stochastically whatever the codec), and those whose
+        kernel fields change with the step (DGC's warm-up)."""
+        info = self.codec.info
+        return (info.uses_seed or collectives.HOMOMORPHIC in info.strategies
+                or self.config.stepwise)
+
+    def _member_steps(self, names: list) -> dict:
+        """Each bucketed parameter's counter, advanced once per step however many buckets hold
+        its pieces, and only in a step that compresses (as _reduce_one advances its own)."""
+        if not self._counted():
+            return {}
+        active = tf.logical_and(self.enabled, self._no_rank_joined())
+        return {name: tf.cond(active, lambda n=name: self.store.next_step(n),
+                              lambda: tf.constant(0, tf.int64)) for name in names}
+
+    def _reduce_one(self, grad, name: str, step=None, bucket: bool = False):
         if grad is None:
             return None
         opname = "hvdc." + _OP_NAME.sub("_", name)
         nbytes = (grad.shape.num_elements() or 0) * grad.dtype.size
-        if self._kept_plain(grad, name):
+        if self._kept_plain(grad, name, bucket):
             return self._plain(grad, opname)
 
         def compressed():
             info, ps = self.codec.info, self.process_set
-            # Only codecs that read the step keep a counter variable: seeded ones (and the
-            # homomorphic strategy, which rounds stochastically whatever the codec), and those
-            # whose kernel fields change with the step (DGC's warm-up).
-            counted = (info.uses_seed or collectives.HOMOMORPHIC in info.strategies
-                       or self.config.stepwise)
-            step = self.store.next_step(name) if counted else tf.constant(0, tf.int64)
+            this_step = step  # a bucket's: its first member's counter
+            if this_step is None:
+                this_step = (self.store.next_step(name) if self._counted()
+                             else tf.constant(0, tf.int64))
             job = collectives.Job(name=name, n=grad.shape.num_elements(),
                                   itemsize=grad.dtype.size, config=self.config,
                                   rank=self._rank(), world=ps.size(),
-                                  average=self.op == hvd.Average, opname=opname, step=step,
-                                  fields_step=fields_step(self.config, step),
+                                  average=self.op == hvd.Average, opname=opname,
+                                  step=this_step, fields_step=fields_step(self.config, this_step),
                                   nodes=self.nodes, extra={"grad": grad})
             collectives.choose(job)
             if warmup_attrs(self.config) and job.strategy != collectives.ALLGATHER:
@@ -508,11 +578,12 @@ def _ring_allreduce_bytes(nbytes: int, world: int) -> float:
 
 
 def new_reducer(compression: Any, min_compress_bytes: int, op, process_set,
-                sparse_as_dense: bool = False) -> Reducer:
+                sparse_as_dense: bool = False, bucket_mb: float = 0) -> Reducer:
     config = to_config(compression)
-    reducer = Reducer(config, min_compress_bytes, op, process_set, sparse_as_dense)
+    max_bytes = buckets.bucket_bytes(bucket_mb)
+    reducer = Reducer(config, min_compress_bytes, op, process_set, sparse_as_dense, max_bytes)
     if process_set.included() and process_set.size() > 1:
-        check_ranks_agree(config, min_compress_bytes, process_set)
+        check_ranks_agree(config, min_compress_bytes, process_set, max_bytes)
     return reducer
 
 
@@ -575,25 +646,31 @@ _reducers: dict[tuple, Reducer] = {}
 
 
 def reducer_for(compression: Any, min_compress_bytes: int, op, process_set,
-                sparse_as_dense: bool = False) -> Reducer:
+                sparse_as_dense: bool = False, bucket_mb: float = 0) -> Reducer:
     """One reducer, and so one state store, per configuration: a tape built anew every step
     finds the state of the steps before."""
     config = to_config(compression)
-    key = (config, min_compress_bytes, op, process_set.process_set_id, sparse_as_dense)
+    max_bytes = buckets.bucket_bytes(bucket_mb)
+    key = (config, min_compress_bytes, op, process_set.process_set_id, sparse_as_dense,
+           max_bytes)
     if key not in _reducers:
-        _reducers[key] = Reducer(config, min_compress_bytes, op, process_set, sparse_as_dense)
+        _reducers[key] = Reducer(config, min_compress_bytes, op, process_set, sparse_as_dense,
+                                 max_bytes)
         if process_set.included() and process_set.size() > 1:
-            check_ranks_agree(config, min_compress_bytes, process_set)
+            check_ranks_agree(config, min_compress_bytes, process_set, max_bytes)
     return _reducers[key]
 
 
-def check_ranks_agree(config: CompressionConfig, min_bytes: int, process_set) -> None:
+def check_ranks_agree(config: CompressionConfig, min_bytes: int, process_set,
+                      max_bucket_bytes: int = 0) -> None:
     # Under elastic Horovod a worker that joins builds its optimizer while the others wait in
     # the reset's sync: no collective may run here, and the sync checks the spec instead
     # (hvd_compress.tensorflow.elastic).
     if os.environ.get("HOROVOD_ELASTIC") == "1":
         return
-    mine = f"{config.canonical()};min_compress_bytes={min_bytes}".encode()
+    # The same string as the torch frontend's, so that the two say the same.
+    mine = (f"{config.canonical()};min_compress_bytes={min_bytes};"
+            f"bucket_bytes={max_bucket_bytes}").encode()
     blob, sizes = evaluate(lambda: (
         hvd.allgather(tf.constant(list(mine), dtype=tf.uint8), name="hvdc.spec_check",
                       process_set=process_set),
@@ -603,4 +680,4 @@ def check_ranks_agree(config: CompressionConfig, min_bytes: int, process_set) ->
     if len(set(theirs)) > 1:
         detail = "; ".join(f"rank {r}: {s}" for r, s in enumerate(theirs))
         raise ValueError(f"ranks disagree on the compression spec ({detail}); every rank must "
-                         f"pass the same compression and min_compress_bytes")
+                         f"pass the same compression, min_compress_bytes and bucket_mb")

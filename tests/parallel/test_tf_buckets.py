@@ -1,0 +1,126 @@
+"""Gradient buckets in the TensorFlow frontend, the twin of test_torch_buckets.py: `make test`
+runs this module at 2, 3, 4 and 8 ranks under both `mpirun` and `horovodrun --gloo`.
+
+The oracle is the one the torch tests use (tests/bucket_oracle.py), so both frontends lay out the
+same buckets and deliver the same bits for the same gradients, eagerly and inside tf.function;
+the state they keep per parameter is the same too, so a torch checkpoint continues here.
+"""
+from __future__ import annotations
+
+import horovod.tensorflow as hvd
+import pytest
+import tensorflow as tf
+
+import bucket_oracle
+from bucket_oracle import BUCKET_MB, SHAPES
+from helpers import ranks_marker, same_bits
+import hvd_compress as hc
+import hvd_compress.tensorflow as hvdc_tf
+import hvd_compress.tensorflow.keras as hvdc_keras
+
+hvd.init()
+WORLD, RANK = hvd.size(), hvd.rank()
+pytestmark = ranks_marker(WORLD)
+
+SPECS = ["onebit,ef=vanilla", "topk,k=0.05,ef=vanilla,momentum=nesterov", "efsignsgd",
+         "randomk,k=0.1,ef=vanilla,seed=3", "minmax8,chunk=64", "dgc,k=0.05",
+         "threshold,threshold=1.5,ef=vanilla", "dithering,ef=vanilla,collective=allreduce",
+         "fp16,ef=vanilla"]
+
+
+class Model:
+    """The four variables of the oracle, given in its order, reduced by a reducer of their own
+    (fresh state) as a DistributedGradientTape reduces them."""
+
+    def __init__(self, spec, bucket_mb=BUCKET_MB, min_compress_bytes=0, graph=False):
+        self.vars = [tf.Variable(tf.zeros(shape), name=name) for name, shape in SHAPES.items()]
+        self.reducer = hvdc_tf.Reducer(hvdc_tf.reducer.to_config(spec), min_compress_bytes,
+                                       hvd.Average, hvd.global_process_set,
+                                       bucket_bytes=int(bucket_mb * 2 ** 20))
+        step = lambda gs: self.reducer.reduce(gs, self.vars)
+        self.step = tf.function(step) if graph else step
+
+    def reduce(self, grads):
+        got = self.step([tf.constant(grads[name][RANK]) for name in SHAPES])
+        return {name: g.numpy() for name, g in zip(SHAPES, got)}
+
+
+# Eager and traced run the same plan: beyond 2 ranks (oversubscribed in CI) traced only.
+@pytest.mark.parametrize("graph", [False, True] if WORLD == 2 else [True],
+                         ids=["eager", "tf.function"] if WORLD == 2 else ["tf.function"])
+@pytest.mark.parametrize("spec", SPECS)
+def test_buckets_equal_the_simulated_bucket(spec, graph):
+    model = Model(spec, graph=graph)
+    oracle = bucket_oracle.BucketOracle(spec, WORLD)
+    for step in range(3):
+        grads = bucket_oracle.step_grads(step, WORLD)
+        oracle.check(model.reduce(grads), oracle(grads), f"{spec} at step {step}")
+
+
+@pytest.mark.parametrize("spec", ["onebit,ef=vanilla", "topk,k=0.05,ef=vanilla,momentum=nesterov",
+                                  "dgc,k=0.05", "randomk,k=0.1,ef=vanilla,seed=3"])
+def test_state_is_per_variable_and_continues_without_buckets(spec):
+    """The residuals and momenta are the members' shares of the simulated bucket's, in slots
+    shaped like the variables; a reducer without buckets then continues from them."""
+    model = Model(spec, graph=True)
+    oracle = bucket_oracle.BucketOracle(spec, WORLD)
+    for step in range(2):
+        grads = bucket_oracle.step_grads(step, WORLD)
+        model.reduce(grads)
+        oracle(grads)
+    state = model.reducer.state_dict()
+    cfg = hc.parse_spec(spec)
+    kinds = {"ef": "e", "momentum": "m"} if not cfg.info.state_slots else {
+        "dgc_velocity": "u", "dgc_accumulator": "e"}
+    for b in oracle.layout:
+        sim, at = oracle.sims[b.index], 0
+        for m in b.members:
+            for kind, attr in kinds.items():
+                if kind == "momentum" and cfg.momentum != "nesterov":
+                    continue
+                if kind == "ef" and cfg.ef != "vanilla":
+                    continue
+                held = state["slots"][m.name][kind]
+                assert held.shape == SHAPES[m.name], (m, kind)
+                want = getattr(sim, attr)[RANK][at:at + m.n]
+                assert same_bits(held.reshape(-1)[m.start:m.stop], want), (m, kind)
+            at += m.n
+    per_tensor = Model(spec, bucket_mb=0)
+    per_tensor.reducer.load_state_dict(state)
+    assert per_tensor.reducer.state_dict()["slots"].keys() == state["slots"].keys()
+
+
+def test_the_tape_and_keras_optimizer_take_bucket_mb():
+    spec = "onebit,ef=vanilla"
+    variables = [tf.Variable(tf.zeros(shape), name=name) for name, shape in SHAPES.items()]
+    oracle = bucket_oracle.BucketOracle(spec, WORLD)
+    opt = hvdc_keras.DistributedOptimizer(tf.keras.optimizers.SGD(1.0), compression=spec,
+                                             min_compress_bytes=0, bucket_mb=BUCKET_MB)
+    def loss_of(grads):
+        return lambda: tf.add_n([tf.reduce_sum(v * grads[name][RANK])
+                                 for v, name in zip(variables, SHAPES)])
+    grads = bucket_oracle.step_grads(0, WORLD)
+    with tf.GradientTape() as tape:
+        loss = loss_of(grads)()
+    tape = hvdc_tf.DistributedGradientTape(tape, compression=spec, min_compress_bytes=0,
+                                           bucket_mb=BUCKET_MB)
+    got = tape.gradient(loss, variables)
+    oracle.check({n: g.numpy() for n, g in zip(SHAPES, got)}, oracle(grads), "tape")
+    # the Keras optimizer keeps a state store of its own: its first step, from zeros
+    grads = bucket_oracle.step_grads(1, WORLD)
+    opt.minimize(loss_of(grads), var_list=variables)
+    fresh = bucket_oracle.BucketOracle(spec, WORLD)
+    fresh.check({n: -v.numpy() for n, v in zip(SHAPES, variables)}, fresh(grads), "keras")
+
+
+def test_bad_bucket_sizes_are_refused():
+    with pytest.raises(ValueError, match="bucket_mb must be a number of MiB >= 0"):
+        with tf.GradientTape() as tape:
+            pass
+        hvdc_tf.DistributedGradientTape(tape, compression="onebit", bucket_mb=-1)
+
+
+def test_ranks_with_different_bucket_sizes_get_an_error():
+    with pytest.raises(ValueError, match="ranks disagree on the compression spec"):
+        hvdc_tf.reducer.new_reducer("onebit", 0, hvd.Average, hvd.global_process_set,
+                                    bucket_mb=1 if RANK == 0 else 2)
