@@ -4,6 +4,7 @@ that tc shapes to 100 Mbit/s, 1 Gbit/s and 10 Gbit/s, training a communication-h
     sudo python bench/network.py            # 25M parameters, 3 timed steps per row and rate
     sudo python bench/network.py --quick    # 6M parameters, 2 timed steps: about two minutes
     sudo python bench/network.py --layout 2x2   # 4 ranks: two "nodes" of two ranks each
+    sudo python bench/network.py --model resnet50 --bucket-mb 4   # models.py's ResNet-50
 
 With --layout 2x2 each namespace is a node running two ranks (Horovod's local and cross ranks
 set as horovodrun would on two hosts): ranks of one node talk over its loopback, unshaped, and
@@ -240,15 +241,34 @@ def tx_bytes(iface):
     raise RuntimeError(f"no interface {iface} in /proc/net/dev")
 
 
-def make_model(params_m, seed):
-    """An MLP of about params_m million parameters, mostly two large dense layers."""
+# Models a user trains (bench/models.py), with inputs small enough for a CPU step: the
+# gradients, which are what crosses the link, do not depend on the image or sequence size.
+MODELS = {"mlp": "MLP of --params-m million parameters, mostly two large dense layers",
+          "resnet50": "ResNet-50 (torchvision's 161 tensors, 25.6M parameters), 3x32x32 images",
+          "transformer": "BERT-base-sized encoder (150 tensors, 108.9M parameters), 16 tokens"}
+
+
+def make_model(opts, seed):
+    """The model and this rank's batch (inputs, labels), the same for every row and worker."""
     import torch
-    width = int((params_m * 1e6 / 2.5) ** 0.5) // 64 * 64  # width/2 -> width -> width -> 10
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(width // 2, width), torch.nn.ReLU(),
-                               torch.nn.Linear(width, width), torch.nn.ReLU(),
-                               torch.nn.Linear(width, width), torch.nn.ReLU(),
-                               torch.nn.Linear(width, 10)), width // 2
+    g = torch.Generator().manual_seed(1 + seed + opts["rank"])
+    batch = opts["batch"]
+    if opts["model"] == "resnet50":
+        import models
+        return models.resnet50(), (torch.randn(batch, 3, 32, 32, generator=g),
+                                   torch.randint(0, 1000, (batch,), generator=g))
+    if opts["model"] == "transformer":
+        import models
+        return models.bert_encoder(), (torch.randint(0, 30522, (batch, 16), generator=g),
+                                       torch.randint(0, 2, (batch,), generator=g))
+    width = int((opts["params_m"] * 1e6 / 2.5) ** 0.5) // 64 * 64  # width/2 -> width x2 -> 10
+    model = torch.nn.Sequential(torch.nn.Linear(width // 2, width), torch.nn.ReLU(),
+                                torch.nn.Linear(width, width), torch.nn.ReLU(),
+                                torch.nn.Linear(width, width), torch.nn.ReLU(),
+                                torch.nn.Linear(width, 10))
+    return model, (torch.randn(batch, width // 2, generator=g),
+                   torch.randint(0, 10, (batch,), generator=g))
 
 
 def time_steps(model, opt, batch, opts, iface, sync):
@@ -285,10 +305,7 @@ def horovod_worker(args):
     rows = json.loads(args.rows)
     out = []
     for label, how, spec in rows:
-        model, fan_in = make_model(opts["params_m"], seed=0)
-        g = torch.Generator().manual_seed(1 + hvd.rank())
-        batch = (torch.randn(opts["batch"], fan_in, generator=g),
-                 torch.randint(0, 10, (opts["batch"],), generator=g))
+        model, batch = make_model({**opts, "rank": hvd.rank()}, seed=0)
         sgd = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         if spec.startswith("threshold"):
             spec += f",threshold={step0_quantile(model, batch, hvd):.4g}"
@@ -296,7 +313,8 @@ def horovod_worker(args):
             comp = hvd.Compression.fp16 if spec == "fp16" else hvd.Compression.none
             opt = hvd.DistributedOptimizer(sgd, model.named_parameters(), compression=comp)
         else:
-            opt = hvdc.DistributedOptimizer(sgd, model.named_parameters(), compression=spec)
+            opt = hvdc.DistributedOptimizer(sgd, model.named_parameters(), compression=spec,
+                                            bucket_mb=opts["bucket_mb"])
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         r = time_steps(model, opt, batch, opts, args.iface,
                        lambda: hvd.allreduce(torch.zeros(1), name="sync"))
@@ -332,7 +350,7 @@ def ddp_worker(args):
     opts = json.loads(args.opts)
     out = []
     for label, _, spec in json.loads(args.rows):
-        model, fan_in = make_model(opts["params_m"], seed=0)
+        model, batch = make_model({**opts, "rank": args.rank}, seed=0)
         if spec == "fp16":
             ddp = torch.nn.parallel.DistributedDataParallel(model)
             ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
@@ -345,9 +363,6 @@ def ddp_worker(args):
                                                 matrix_approximation_rank=POWERSGD_RANK,
                                                 start_powerSGD_iter=2)
             ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-        g = torch.Generator().manual_seed(1 + args.rank)
-        batch = (torch.randn(opts["batch"], fan_in, generator=g),
-                 torch.randint(0, 10, (opts["batch"],), generator=g))
         sgd = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
         r = time_steps(ddp, sgd, batch, opts, args.iface, dist.barrier)
         out.append({"row": label, "spec": spec, **r})
@@ -392,8 +407,8 @@ def report(rows, rates, settings, out_dir, table=ROWS, name="network"):
     ax.set_xticklabels(labels, rotation=60, ha="right", fontsize=8)
     ax.set_yscale("log")
     ax.set_ylabel("speedup over uncompressed Horovod (ms/step)")
-    ax.set_title(f"{settings['layout']}: {settings['ranks']} ranks, {settings['params_m']}M-parameter "
-                 f"MLP, veth shaped by tc")
+    ax.set_title(f"{settings['layout']}: {settings['ranks']} ranks, {settings['model']} "
+                 f"({settings['params_m']:.1f}M parameters), veth shaped by tc")
     ax.legend()
     fig.tight_layout()
     fig.savefig(os.path.join(out_dir, f"{name}.png"), dpi=110)
@@ -402,7 +417,12 @@ def report(rows, rates, settings, out_dir, table=ROWS, name="network"):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="6M parameters, 2 timed steps")
-    ap.add_argument("--params-m", type=float, default=None, help="model size, millions")
+    ap.add_argument("--params-m", type=float, default=None, help="MLP size, millions")
+    ap.add_argument("--model", choices=list(MODELS), default="mlp",
+                    help="; ".join(f"{k}: {v}" for k, v in MODELS.items()))
+    ap.add_argument("--batch", type=int, default=None,
+                    help="per rank (default: 32 for the MLP, 4 for ResNet-50, 2 for the encoder)")
+    ap.add_argument("--bucket-mb", type=float, default=0, help="our optimizer's bucket_mb")
     ap.add_argument("--steps", type=int, default=None, help="timed steps per row and rate")
     ap.add_argument("--rates", default=",".join(RATES), help="comma-separated: " + ", ".join(RATES))
     ap.add_argument("--out", default=results.DEFAULT_OUT)
@@ -429,8 +449,11 @@ def main():
     unknown = [r for r in rates if r not in RATES]
     if unknown:
         sys.exit(f"unknown rate(s) {unknown}; valid: {', '.join(RATES)}")
-    opts = {"params_m": args.params_m or (6.0 if args.quick else 25.0),
-            "steps": args.steps or (2 if args.quick else 3), "warmup": 3, "batch": 32}
+    params_m = {"resnet50": 25.557032, "transformer": 108.9}.get(
+        args.model, args.params_m or (6.0 if args.quick else 25.0))
+    opts = {"model": args.model, "params_m": params_m, "bucket_mb": args.bucket_mb,
+            "steps": args.steps or (2 if args.quick else 3), "warmup": 3,
+            "batch": args.batch or {"mlp": 32, "resnet50": 4, "transformer": 2}[args.model]}
     refuse_unless_able()
     # Ctrl-C or a kill reaches the finally blocks, so the namespaces always go.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -459,8 +482,12 @@ def main():
     settings = {**opts, "rates": rates, "ranks": 2 * per_node, "layout": args.layout,
                 "threads_per_rank": 1,
                 "network": "veth pair between two namespaces, tc tbf on both ends"}
-    report(rows, rates, settings, args.out, table,
-           "network" if args.layout == "1x2" else f"network_{args.layout}")
+    name = "network" if args.layout == "1x2" else f"network_{args.layout}"
+    if args.model != "mlp":
+        name += f"_{args.model}"
+    if args.bucket_mb:
+        name += f"_buckets{args.bucket_mb:g}mb"
+    report(rows, rates, settings, args.out, table, name)
 
 
 if __name__ == "__main__":
