@@ -136,6 +136,20 @@ def test_network_two_nodes_of_two_quick(tmp_path):
     assert all(float(r["ms_per_step"]) > 0 and int(r["bytes_per_step"]) > 0 for r in rows)
 
 
+@pytest.mark.skipif(NETWORK_UNAVAILABLE is not None, reason=f"{NETWORK_UNAVAILABLE}")
+def test_network_real_model_in_buckets_quick(tmp_path):
+    """ResNet-50's gradients (bench/models.py) in 4 MiB buckets: the file names the model and
+    the buckets, and the bytes on the link are the model's (25.6M float32 for Horovod)."""
+    run("network.py", "--model", "resnet50", "--bucket-mb", "4", "--steps", "1", "--rates",
+        "10gbit", "--select", "topk", "--out", str(tmp_path))
+    data, rows = outputs(tmp_path, "network_resnet50_buckets4mb")
+    assert [r["row"] for r in rows] == ["horovod, no compression", "horovod fp16", "topk 1%"]
+    assert data["settings"]["model"] == "resnet50" and data["settings"]["bucket_mb"] == 4
+    plain = int(rows[0]["bytes_per_step"])
+    assert 25_557_032 * 4 <= plain < 1.2 * 25_557_032 * 4
+    assert int(rows[2]["bytes_per_step"]) < plain / 10
+
+
 def test_cost_model_recovers_a_known_fit(tmp_path):
     """Times made exactly by the model, with an intercept shared by each codec's allgather and
     compressed allreduce so that alpha is identifiable: the fit must give back eta and alpha."""
