@@ -62,7 +62,8 @@ def shapes(params_m):
     that nothing is allocated."""
     import torch
     with torch.device("meta"):
-        model, _ = network.make_model(params_m, seed=0)
+        model, _ = network.make_model({"model": "mlp", "params_m": params_m, "rank": 0,
+                                       "batch": 1}, seed=0)
     return tuple(tuple(p.shape) for p in model.parameters())
 
 
