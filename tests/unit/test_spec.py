@@ -153,12 +153,14 @@ def test_average_factors():
     ("onebit,ef=vanilla,momentum=nesterov", 0.0, None), ("dgc,k=0.01", 0.9, None),
 ])
 def test_momentum_advice_names_the_spec_that_trains(spec, momentum, fix):
-    from hvd_compress.spec import momentum_advice
+    from hvd_compress.spec import momentum_advice, momentum_fix
     advice = momentum_advice(hc.parse_spec(spec), momentum)
+    assert momentum_fix(hc.parse_spec(spec), momentum) == fix
     if fix is None:
         assert advice is None
     else:
         assert f'compression="{fix}"' in advice
+        assert str(hc.parse_spec(fix)) == fix  # what bench/convergence.py --advised runs
 
 
 @pytest.mark.parametrize("shape,matrix", [
