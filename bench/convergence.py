@@ -8,6 +8,9 @@ error feedback, from the same seeds; final test accuracy and the training-loss c
                                             # the compressed allreduce at 4 ranks
     python bench/convergence.py --model cnn --bucket-mb 1 --ef-only
                                             # a small CNN's 10 tensors, in one bucket
+    python bench/convergence.py --momentum 0.9 --epochs 15 --ef-only --advised
+                                            # SGD momentum 0.9, each spec as the optimizer's
+                                            # warning advises (spec.momentum_fix)
 
 Every run: 1437 training and 360 test images (stratified split, seed 0), global batch 64 split
 between the ranks, plain SGD with lr 0.1 (dgc adds its own momentum correction), all tensors
@@ -73,6 +76,8 @@ def worker(args):
     from sklearn.model_selection import train_test_split
 
     import hvd_compress.torch as hvdc
+    from hvd_compress import parse_spec
+    from hvd_compress.spec import momentum_fix
     warnings.simplefilter("ignore")  # dgc's note that it replaces the optimizer's momentum
     torch.set_num_threads(1)
     hvd.init()
@@ -83,10 +88,11 @@ def worker(args):
     x_te, y_te = torch.from_numpy(x_te), torch.from_numpy(y_te)
     out = []
     for spec in json.loads(args.specs):
+        ran = (args.advised and momentum_fix(parse_spec(spec), args.momentum)) or spec
         torch.manual_seed(0)
         model = make_model(args.model)
         sgd = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
-        opt = hvdc.DistributedOptimizer(sgd, model.named_parameters(), compression=spec,
+        opt = hvdc.DistributedOptimizer(sgd, model.named_parameters(), compression=ran,
                                         min_compress_bytes=0, bucket_mb=args.bucket_mb)
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         order = torch.Generator().manual_seed(1)  # the same shuffle on both ranks
@@ -105,9 +111,9 @@ def worker(args):
             curve.append(float(hvd.allreduce(torch.tensor(total / batches), name="epoch_loss")))
         with torch.no_grad():
             acc = (model(x_te).argmax(1) == y_te).double().mean().item() * 100
-        out.append({"spec": spec, "test_accuracy": acc, "final_loss": curve[-1], "curve": curve})
+        out.append({"spec": spec, "ran": ran, "test_accuracy": acc, "final_loss": curve[-1], "curve": curve})
         if hvd.rank() == 0:
-            print(f"  {spec:52s} accuracy {acc:6.2f}%  loss {curve[-1]:.4f}", flush=True)
+            print(f"  {ran:52s} accuracy {acc:6.2f}%  loss {curve[-1]:.4f}", flush=True)
     if hvd.rank() == 0:
         with open(args.result, "w") as f:
             json.dump(out, f)
@@ -141,6 +147,7 @@ def report(got, settings, out_dir, name="convergence"):
         for kind, spec in (("no_ef", plain), ("ef", ef)):
             r = by_spec.get(spec)
             row[f"{kind}_spec"] = spec or ""
+            row[f"{kind}_ran"] = r["ran"] if r else ""
             row[f"{kind}_accuracy"] = round(r["test_accuracy"], 2) if r else ""
             row[f"{kind}_final_loss"] = round(r["final_loss"], 4) if r else ""
         if row["ef_accuracy"] != "":
@@ -189,6 +196,8 @@ def main():
     ap.add_argument("--model", choices=list(MODELS), default="mlp")
     ap.add_argument("--bucket-mb", type=float, default=0,
                     help="the optimizer's bucket_mb (0: every tensor alone)")
+    ap.add_argument("--advised", action="store_true",
+                    help="run each spec as the optimizer's momentum warning advises")
     ap.add_argument("--out", default=results.DEFAULT_OUT)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--specs", help=argparse.SUPPRESS)
@@ -205,7 +214,8 @@ def main():
         cmd = [horovodrun, "--gloo", "-np", str(args.ranks), "-H", f"localhost:{args.ranks}",
                sys.executable,
                os.path.abspath(__file__), "--worker", "--epochs", str(epochs), "--lr", str(args.lr),
-               "--momentum", str(args.momentum), "--model", args.model, "--bucket-mb",
+               "--momentum", str(args.momentum)] + ["--advised"] * args.advised + [
+               "--model", args.model, "--bucket-mb",
                str(args.bucket_mb), "--specs",
                json.dumps(specs), "--result", result]
         subprocess.run(cmd, check=True, timeout=3600)
@@ -215,7 +225,7 @@ def main():
                 "momentum": args.momentum, "model": MODELS[args.model],
                 "bucket_mb": args.bucket_mb,
                 "data": "sklearn digits, 80/20", "collective": args.collective,
-                "ef_only": args.ef_only}
+                "ef_only": args.ef_only, "advised": args.advised}
     name = "convergence"
     if (args.ranks, args.collective) != (2, "auto"):
         name += f"_{args.ranks}ranks_{args.collective}"
@@ -223,6 +233,8 @@ def main():
         name += f"_{args.model}"
     if args.bucket_mb:
         name += f"_buckets{args.bucket_mb:g}mb"
+    if args.momentum:
+        name += f"_momentum{args.momentum:g}" + "_advised" * args.advised
     report(got, settings, args.out, name)
 
 

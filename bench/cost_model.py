@@ -41,6 +41,7 @@ import results  # noqa: E402
 
 from hvd_compress import collectives, parse_spec  # noqa: E402
 from hvd_compress.launch import DEFAULT_MIN_COMPRESS_BYTES  # noqa: E402
+from hvd_compress.powersgd import matrix_shape  # noqa: E402
 
 RANKS = (64, 256, 1024)
 EXTEND_RATES = ("1gbit", "10gbit")
@@ -91,7 +92,7 @@ def tensor_plans(how, spec, params_m, per_node, nodes):
             out.append((collectives.ALLREDUCE, n, 2.0 * (n - 1) / n * numel * itemsize, 0, 1))
             continue
         if config.info.rounds == 2:  # PowerSGD: P and Q of the matrix, by two allreduces
-            sent = 4 * config.param_dict["rank"] * sum(shape)
+            sent = 4 * config.param_dict["rank"] * sum(matrix_shape(shape))
             out.append((collectives.ALLREDUCE, n, 2.0 * (n - 1) / n * sent, 0, 2))
             continue
         local = per_node if config.hierarchical else 0

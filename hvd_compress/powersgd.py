@@ -35,5 +35,11 @@ class PowerSGDState:
 
 
 def matrix_shape(shape) -> tuple[int, int]:
-    """A gradient of this shape as a matrix: its first dimension by the rest."""
-    return int(shape[0]), math.prod(int(d) for d in shape[1:])
+    """A gradient of this shape as a matrix: its leading dimensions by the rest, split where the
+    matrix is closest to square, which makes P and Q smallest. The first dimension alone is the
+    split for a 2-D gradient and for PyTorch's (O, I, H, W) kernels, but TensorFlow's (H, W, I, O)
+    kernels would become 3 rows, too few to compress: they split before O. Both frontends take
+    the view from the shape alone, so a tensor's state is the same in either."""
+    dims = [int(d) for d in shape]
+    splits = [(math.prod(dims[:k]), math.prod(dims[k:])) for k in range(1, max(len(dims), 2))]
+    return min(splits, key=sum)  # the first split on a tie

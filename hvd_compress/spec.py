@@ -93,34 +93,41 @@ class CompressionConfig:
         return ",".join(items)
 
 
-def momentum_advice(config: CompressionConfig, momentum: float) -> str | None:
-    """The warning for an optimizer that applies momentum after an error-feedback codec, or
-    None. The residual holds what earlier steps did not send; momentum applied to the decoded
-    gradient then amplifies each step's compression error for 1/(1-mu) steps on top of it
-    (measured: onebit,ef=vanilla with SGD momentum 0.9 diverges on digits, 10% accuracy).
-    Moving the momentum before the codec, into the spec, compresses the momentum-corrected
-    gradient instead (DGC's momentum correction).
+def momentum_fix(config: CompressionConfig, momentum: float) -> str | None:
+    """The spec that trains where the optimizer applies momentum after an error-feedback codec,
+    or None where nothing needs fixing. The residual holds what earlier steps did not send;
+    momentum applied to the decoded gradient then amplifies each step's compression error for
+    1/(1-mu) steps on top of it (measured: onebit,ef=vanilla with SGD momentum 0.9 diverges on
+    digits, 10% accuracy). Moving the momentum before the codec, into the spec, compresses the
+    momentum-corrected gradient instead (DGC's momentum correction).
 
-    Codecs that sample elements whatever their values (random-k) get no such fix: their
+    Codecs that sample elements whatever their values (random-k) get top-k instead: their
     residual sends each element in a burst about once every 1/k steps, and momentum on either
     side of the codec multiplies the bursts (measured on digits with momentum 0.9, randomk 1%:
     10% accuracy with the optimizer's momentum, NaN with momentum=nesterov,mu=0.9). Top-k with
-    the spec's momentum is the fix there (96.7%, uncompressed 97.2%)."""
+    the spec's momentum trains there (96.7%, uncompressed 97.2%)."""
     feeds_back = config.ef == "vanilla" or config.info.builtin_ef
     if not feeds_back or config.info.replaces_momentum:
         return None
     if config.info.samples and (momentum or config.momentum != "none"):
         k = dict(config.params).get("k")
         topk = f"topk,k={_fmt(k)}" if k is not None else "topk"
-        mu = _fmt(float(momentum or config.mu))
+        return f"{topk},ef=vanilla,momentum=nesterov,mu={_fmt(float(momentum or config.mu))}"
+    if not momentum or config.momentum != "none":
+        return None
+    return f"{config},momentum=nesterov,mu={_fmt(float(momentum))}"
+
+
+def momentum_advice(config: CompressionConfig, momentum: float) -> str | None:
+    """The warning that names momentum_fix's spec, or None."""
+    fixed = momentum_fix(config, momentum)
+    if fixed is None:
+        return None
+    if config.info.samples:
         return (f"{config.codec} with error feedback does not train with momentum (the "
                 f"optimizer's, or momentum=nesterov in the spec): its residual sends each element "
                 f"in bursts that momentum multiplies, and training diverges; use "
-                f"compression=\"{topk},ef=vanilla,momentum=nesterov,mu={mu}\" or train "
-                f"{config.codec} without momentum")
-    if not momentum or config.momentum != "none":
-        return None
-    fixed = f"{config},momentum=nesterov,mu={_fmt(float(momentum))}"
+                f"compression=\"{fixed}\" or train {config.codec} without momentum")
     return (f"the optimizer applies momentum ({momentum}) after {config.codec}'s error feedback, "
             f"which amplifies the compression error and can diverge; move it into the "
             f"compression spec: compression=\"{fixed}\" (the optimizer's own momentum is then "

@@ -8,7 +8,7 @@ from helpers import random_grad, t2n
 from hvd_compress.torch import _C
 import hvd_compress as hc
 from hvd_compress import collectives as col
-from hvd_compress.powersgd import PowerSGDState
+from hvd_compress.powersgd import PowerSGDState, matrix_shape
 
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
@@ -212,7 +212,7 @@ class PowerSGDSimulation:
     def __call__(self, grads):
         st, step = self.st, self.step
         self.step += 1
-        mats = [g.reshape(g.shape[0], -1).astype(np.float64) for g in grads]
+        mats = [g.reshape(matrix_shape(g.shape)).astype(np.float64) for g in grads]
         if step < st.start_iter or not st.compresses(grads[0].shape):
             return sum(mats) / self.world
         rows, cols = mats[0].shape
@@ -249,7 +249,7 @@ class PowerSGDKernelSimulation(PowerSGDSimulation):
         shape, dtype = grads[0].shape, grads[0].dtype
         if step < st.start_iter or not st.compresses(shape):
             return rank_sum(grads) * dtype.type(1.0 / self.world)  # Horovod's Average
-        rows = shape[0]
+        rows, _ = matrix_shape(shape)
         mats = [torch.from_numpy(g.reshape(rows, -1).copy()) for g in grads]
         cols, ftype = mats[0].shape[1], mats[0].dtype
         if self.e is None:

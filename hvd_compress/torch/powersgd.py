@@ -32,7 +32,7 @@ from __future__ import annotations
 import horovod.torch as hvd
 import torch
 
-from ..powersgd import PowerSGDState
+from ..powersgd import PowerSGDState, matrix_shape
 from ..seeds import derive_seed
 from ..spec import CompressionConfig
 from ..state import StateStore
@@ -133,8 +133,7 @@ class _Batch:
         self.steps = [self.arrived[n][1] for n in self.names]
         ftype = torch.float64 if self.grads[0].dtype == torch.float64 else torch.float32
         dev = self.grads[0].device
-        rows = self.grads[0].shape[0]
-        cols = self.grads[0].numel() // rows
+        rows, cols = matrix_shape(self.grads[0].shape)
         b = len(self.names)
         self.qts = []
         qt = torch.empty(b, st.rank, cols, dtype=ftype, device=dev)
@@ -205,8 +204,7 @@ class _Member:
     @property
     def sent_elements(self) -> int:
         """P and Q elements this parameter puts on the wire per step."""
-        g = self.batch.arrived[self.name][0]
-        return (g.shape[0] + g.numel() // g.shape[0]) * self.batch.red.state.rank
+        return sum(matrix_shape(self.batch.arrived[self.name][0].shape)) * self.batch.red.state.rank
 
     def prepare(self) -> None:
         self.batch.prepare()

@@ -207,6 +207,25 @@ def test_powersgd_equals_simulation(spec, dtype, graph):
 
 
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "function"])
+def test_powersgd_factors_a_conv_kernel_in_either_layout(graph):
+    """The torch test's case: a Keras (H, W, I, O) kernel is compressed as (H*W*I) x O, as a
+    torch (O, I, H, W) kernel is as O x (I*H*W), bit for bit as the simulation."""
+    shapes = [(3, 3, 8, 16), (16, 8, 3, 3)]
+    spec = "powersgd,rank=2,start_iter=0"
+    sims = [PowerSGDKernelSimulation(spec, f"p{i}", WORLD) for i in range(len(shapes))]
+    steps, reducer = powersgd_run(spec, "float32", graph, steps=3, shapes=shapes)
+    for step, (grads, got) in enumerate(steps):
+        for g, sim, gs in zip(got, sims, grads):
+            assert same_bits(g, sim([x.astype(np.float32) for x in gs])), f"step {step}"
+    assert {n: t.codec for n, t in reducer.stats.tensors.items()} == {"p0": "powersgd",
+                                                                     "p1": "powersgd"}
+    slots = reducer.state_dict()["slots"]
+    assert slots["p0"]["powersgd_qt"].shape == (2, 16)
+    assert slots["p1"]["powersgd_qt"].shape == (2, 72)
+    assert same_bits(slots["p0"]["ef"].reshape(72, 16), sims[0].e[RANK].numpy())
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "function"])
 def test_powersgd_batches_and_checkpoints_change_no_bit(graph, monkeypatch):
     """batch_same_shape changes how P and Q travel (one allreduce per shape and round), not
     the arithmetic; a reducer loading the state mid-run carries on as the uninterrupted one."""

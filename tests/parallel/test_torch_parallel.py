@@ -429,6 +429,31 @@ def test_powersgd_equals_simulation(spec, dtype):
         assert same_bits(slots["ef"].reshape(40, 30), t2n(sims[0].e[RANK]))
 
 
+# the TF test's case too (test_tf_parallel.py)
+CONV_KERNELS = [(3, 3, 8, 16), (16, 8, 3, 3)]  # TensorFlow's (H, W, I, O), PyTorch's (O, I, H, W)
+
+
+def test_powersgd_factors_a_conv_kernel_in_either_layout():
+    """Each layout is viewed as its output channels against the rest (72 x 16 and 16 x 72), so
+    both are compressed, bit for bit as the simulation; the TF layout's first dimension alone
+    (3 x 384) would not be worth compressing at rank 2."""
+    spec = "powersgd,rank=2,start_iter=0"
+    params, opt = powersgd_optimizer(spec, CONV_KERNELS)
+    sims = [PowerSGDKernelSimulation(spec, f"p{i}", WORLD) for i in range(len(CONV_KERNELS))]
+    rng = np.random.default_rng(0)
+    for step in range(3):
+        grads = [[rng.standard_normal(s) for _ in range(WORLD)] for s in CONV_KERNELS]
+        got = powersgd_step(params, opt, grads)
+        for g, sim, gs in zip(got, sims, grads):
+            assert same_bits(t2n(g), sim([x.astype(np.float32) for x in gs])), f"step {step}"
+    stats = opt.compression_stats.tensors
+    assert {n: t.codec for n, t in stats.items()} == {"p0": "powersgd", "p1": "powersgd"}
+    slots = opt.compression_state_dict()["slots"]
+    assert slots["p0"]["powersgd_qt"].shape == (2, 16)
+    assert slots["p1"]["powersgd_qt"].shape == (2, 72)
+    assert same_bits(slots["p0"]["ef"].reshape(72, 16), t2n(sims[0].e[RANK]))
+
+
 def test_powersgd_batch_same_shape_matches_unbatched_and_batches(monkeypatch):
     """Stacking same-shape matrices changes how P and Q travel, not the arithmetic: results and
     state equal the unbatched run bit for bit, with one P and one Q allreduce per shape. On

@@ -153,9 +153,29 @@ def test_average_factors():
     ("onebit,ef=vanilla,momentum=nesterov", 0.0, None), ("dgc,k=0.01", 0.9, None),
 ])
 def test_momentum_advice_names_the_spec_that_trains(spec, momentum, fix):
-    from hvd_compress.spec import momentum_advice
+    from hvd_compress.spec import momentum_advice, momentum_fix
     advice = momentum_advice(hc.parse_spec(spec), momentum)
+    assert momentum_fix(hc.parse_spec(spec), momentum) == fix
     if fix is None:
         assert advice is None
     else:
         assert f'compression="{fix}"' in advice
+        assert str(hc.parse_spec(fix)) == fix  # what bench/convergence.py --advised runs
+
+
+@pytest.mark.parametrize("shape,matrix", [
+    ((70,), (70, 1)), ((40, 30), (40, 30)), ((40, 6, 5), (40, 30)),
+    ((64, 64, 3, 3), (64, 576)),      # PyTorch's (O, I, H, W): the first dimension, as DDP's hook
+    ((3, 3, 64, 64), (576, 64)),      # TensorFlow's (H, W, I, O): before O
+    ((7, 7, 3, 64), (147, 64)), ((1, 1, 256, 64), (256, 64)), ((2, 2), (2, 2))])
+def test_powersgd_views_a_gradient_as_its_squarest_matrix(shape, matrix):
+    from hvd_compress.powersgd import matrix_shape
+    assert matrix_shape(shape) == matrix
+
+
+def test_powersgd_compresses_a_keras_conv_kernel():
+    """3 x 36864, the first dimension's view, is below min_compression_rate at rank 4."""
+    from hvd_compress.powersgd import PowerSGDState
+    st = PowerSGDState.from_config(hc.parse_spec("powersgd,rank=4"))
+    assert st.compresses((3, 3, 64, 64)) and st.compresses((64, 64, 3, 3))
+    assert not st.compresses((3, 36864))
