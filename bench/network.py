@@ -554,12 +554,13 @@ def main():
             print(f"{rate}: tc tbf on both ends of the veth pair", flush=True)
             link.shape(RATES[rate])
             # no row sends more than 32-bit gradients (a 100M-parameter model takes 35 s a step
-            # at 100 Mbit/s), plus start-up: only a hang outlives this
+            # at 100 Mbit/s), plus start-up (a Keras row builds and traces its step, some 40 s
+            # on 2 cores): only a hang outlives this
             steps_s = (opts["warmup"] + opts["steps"]) * per_node * opts["params_m"] * 32e6 \
                 / RATES[rate]
 
             def timeout(rows):
-                return 600 + len(rows) * steps_s
+                return 600 + len(rows) * (steps_s + 60)
             hv = [r for r in table if r[1] != "ddp"]
             run_horovod(link, hv, opts, os.path.join(tmp, "h.json"), timeout(hv), per_node)
             parts = ["h.json"]
