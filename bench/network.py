@@ -5,6 +5,7 @@ that tc shapes to 100 Mbit/s, 1 Gbit/s and 10 Gbit/s, training a communication-h
     sudo python bench/network.py --quick    # 6M parameters, 2 timed steps: about two minutes
     sudo python bench/network.py --layout 2x2   # 4 ranks: two "nodes" of two ranks each
     sudo python bench/network.py --model resnet50 --bucket-mb 4   # models.py's ResNet-50
+    sudo python bench/network.py --model keras-resnet50 --bucket-mb 4   # the TF/Keras frontend
 
 With --layout 2x2 each namespace is a node running two ranks (Horovod's local and cross ranks
 set as horovodrun would on two hosts): ranks of one node talk over its loopback, unshaped, and
@@ -14,7 +15,9 @@ bytes per step are then those node 0 sent across the link.
 
 Rows: uncompressed Horovod (the baseline), Horovod's own fp16, PyTorch DDP over Gloo with its
 fp16_compress_hook and powerSGD_hook (the same rank as our powersgd row), and our codecs through
-hvd_compress.torch.DistributedOptimizer. Columns per rate: median ms/step of rank 0, speedup over
+hvd_compress.torch.DistributedOptimizer. With --model keras-resnet50 the same rows train
+Keras' ResNet-50 through horovod.tensorflow.keras and hvd_compress.tensorflow.keras instead,
+without the DDP rows (they are torch's). Columns per rate: median ms/step of rank 0, speedup over
 uncompressed Horovod at that rate, and bytes rank 0 sent per step as counted by its veth
 (/proc/net/dev: payload plus TCP/IP headers). Horovod runs over Gloo (no MPI launcher can
 cross the namespaces); the ranks get the same rendezvous that horovodrun would give them.
@@ -246,7 +249,10 @@ def tx_bytes(iface):
 # gradients, which are what crosses the link, do not depend on the image or sequence size.
 MODELS = {"mlp": "MLP of --params-m million parameters, mostly two large dense layers",
           "resnet50": "ResNet-50 (torchvision's 161 tensors, 25.6M parameters), 3x32x32 images",
-          "transformer": "BERT-base-sized encoder (150 tensors, 108.9M parameters), 16 tokens"}
+          "transformer": "BERT-base-sized encoder (150 tensors, 108.9M parameters), 16 tokens",
+          "keras-resnet50": "tf.keras.applications.ResNet50 (214 trainable tensors, 25.6M "
+                            "parameters), 32x32x3 images, through the TensorFlow frontend"}
+KERAS_MODELS = ("keras-resnet50",)
 
 
 def make_model(opts, seed):
@@ -272,18 +278,25 @@ def make_model(opts, seed):
                    torch.randint(0, 10, (batch,), generator=g))
 
 
-def time_steps(model, opt, batch, opts, iface, sync):
+def torch_step(model, opt, batch):
     import torch.nn.functional as F
     x, y = batch
-    times = []
-    for step in range(opts["warmup"] + opts["steps"]):
-        if step == opts["warmup"]:
-            sync()
-            sent = tx_bytes(iface)
-        t0 = time.perf_counter()
+
+    def step():
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
         opt.step()
+    return step
+
+
+def time_steps(step, opts, iface, sync):
+    times = []
+    for i in range(opts["warmup"] + opts["steps"]):
+        if i == opts["warmup"]:
+            sync()
+            sent = tx_bytes(iface)
+        t0 = time.perf_counter()
+        step()
         times.append(time.perf_counter() - t0)
     sync()
     sent = tx_bytes(iface) - sent
@@ -297,6 +310,7 @@ def horovod_worker(args):
 
     import horovod.torch as hvd
     import torch
+    import torch.nn.functional as F
 
     import hvd_compress.torch as hvdc
     warnings.simplefilter("ignore")  # dgc's note that it replaces the optimizer's momentum
@@ -309,7 +323,11 @@ def horovod_worker(args):
         model, batch = make_model({**opts, "rank": hvd.rank()}, seed=0)
         sgd = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         if spec.startswith("threshold"):
-            spec += f",threshold={step0_quantile(model, batch, hvd):.4g}"
+            model.zero_grad()
+            F.cross_entropy(model(batch[0]), batch[1]).backward()
+            g = torch.cat([p.grad.abs().flatten() for p in model.parameters()])
+            model.zero_grad()
+            spec += f",threshold={step0_quantile(g.numpy(), torch.tensor, hvd):.4g}"
         if how == "horovod":
             comp = hvd.Compression.fp16 if spec == "fp16" else hvd.Compression.none
             opt = hvd.DistributedOptimizer(sgd, model.named_parameters(), compression=comp)
@@ -317,12 +335,9 @@ def horovod_worker(args):
             opt = hvdc.DistributedOptimizer(sgd, model.named_parameters(), compression=spec,
                                             bucket_mb=opts["bucket_mb"])
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-        r = time_steps(model, opt, batch, opts, args.iface,
+        r = time_steps(torch_step(model, opt, batch), opts, args.iface,
                        lambda: hvd.allreduce(torch.zeros(1), name="sync"))
-        out.append({"row": label, "spec": spec, **r})
-        if hvd.rank() == 0:
-            print(f"  {label:32s} {r['ms_per_step']:10.1f} ms/step {r['bytes_per_step']:14,d} B/step",
-                  flush=True)
+        out.append(shown(hvd.rank(), label, spec, r))
         # Horovod's hooks tie the parameters and the optimizer in a cycle: without a collection
         # each row's model, gradients and state stay (the 109M-parameter encoder was killed for
         # memory at the sixth row).
@@ -333,17 +348,81 @@ def horovod_worker(args):
             json.dump(out, f)
 
 
-def step0_quantile(model, batch, hvd):
-    """|g| above which about 1% of step 0's gradient lies (averaged over ranks): what a user
-    tuning `threshold` for a 1% density would pick."""
-    import torch
-    import torch.nn.functional as F
-    model.zero_grad()
-    F.cross_entropy(model(batch[0]), batch[1]).backward()
-    g = torch.cat([p.grad.abs().flatten() for p in model.parameters()])
-    q = torch.kthvalue(g[::7], int(0.99 * g[::7].numel())).values.reshape(1)
-    model.zero_grad()
-    return float(hvd.allreduce(q, name="threshold_q"))
+def step0_quantile(g, tensor, hvd):
+    """|g| above which about 1% of step 0's gradient g (|g| of every parameter, flat, in numpy)
+    lies, averaged over ranks: what a user tuning `threshold` for a 1% density would pick.
+    tensor and hvd: the frontend's tensor constructor and Horovod module."""
+    import numpy as np
+    k = int(0.99 * g[::7].size)
+    q = np.partition(g[::7], k - 1)[k - 1:k]  # the k-th smallest
+    return float(hvd.allreduce(tensor(q), name="threshold_q")[0])
+
+
+def shown(rank, label, spec, r):
+    """The row's result, printed by rank 0 as it comes."""
+    if rank == 0:
+        print(f"  {label:32s} {r['ms_per_step']:10.1f} ms/step {r['bytes_per_step']:14,d} B/step",
+              flush=True)
+    return {"row": label, "spec": spec, **r}
+
+
+def keras_worker(args):
+    """horovod_worker's rows on a Keras model: Horovod's and our Keras DistributedOptimizer."""
+    import warnings
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"  # read when TensorFlow loads
+
+    import horovod.tensorflow as hvd
+    import horovod.tensorflow.keras as hvd_keras
+    import tensorflow as tf
+
+    import hvd_compress.tensorflow.keras as hvdk
+    warnings.simplefilter("ignore")  # as horovod_worker's
+    tf.get_logger().setLevel("ERROR")
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    hvd.init()
+    opts = json.loads(args.opts)
+    out = []
+    for label, how, spec in json.loads(args.rows):
+        tf.keras.utils.set_random_seed(0)
+        model = tf.keras.applications.ResNet50(weights=None, input_shape=(32, 32, 3),
+                                               classes=1000)
+        gen = tf.random.Generator.from_seed(1 + hvd.rank())
+        x = gen.normal([opts["batch"], 32, 32, 3])
+        y = gen.uniform([opts["batch"]], 0, 1000, dtype=tf.int64)
+
+        def loss():
+            return tf.reduce_mean(tf.keras.losses.sparse_categorical_crossentropy(
+                y, model(x, training=True)))
+        if spec.startswith("threshold"):
+            with tf.GradientTape() as tape:
+                value = loss()
+            g = tf.concat([tf.reshape(tf.abs(d), [-1])
+                           for d in tape.gradient(value, model.trainable_variables)], 0)
+            spec += f",threshold={step0_quantile(g.numpy(), tf.constant, hvd):.4g}"
+        sgd = tf.keras.optimizers.SGD(0.01, momentum=0.9)
+        if how == "horovod":
+            comp = hvd.Compression.fp16 if spec == "fp16" else hvd.Compression.none
+            opt = hvd_keras.DistributedOptimizer(sgd, compression=comp)
+        else:
+            opt = hvdk.DistributedOptimizer(sgd, compression=spec, bucket_mb=opts["bucket_mb"])
+
+        @tf.function
+        def step():
+            with tf.GradientTape() as tape:
+                value = loss()
+            opt.apply_gradients(opt.compute_gradients(value, model.trainable_variables,
+                                                      tape=tape))
+        hvd.broadcast_variables(model.variables, root_rank=0)
+        # The first warm-up step traces the function.
+        r = time_steps(step, opts, args.iface, lambda: hvd.allreduce(tf.zeros(1), name="sync"))
+        out.append(shown(hvd.rank(), label, spec, r))
+        del model, loss, sgd, opt, step
+        tf.keras.backend.clear_session()
+        gc.collect()
+    if hvd.rank() == 0:
+        with open(args.result, "w") as f:
+            json.dump(out, f)
 
 
 def ddp_worker(args):
@@ -370,11 +449,8 @@ def ddp_worker(args):
                                                 start_powerSGD_iter=2)
             ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
         sgd = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
-        r = time_steps(ddp, sgd, batch, opts, args.iface, dist.barrier)
-        out.append({"row": label, "spec": spec, **r})
-        if args.rank == 0:
-            print(f"  {label:32s} {r['ms_per_step']:10.1f} ms/step {r['bytes_per_step']:14,d} B/step",
-                  flush=True)
+        r = time_steps(torch_step(ddp, sgd, batch), opts, args.iface, dist.barrier)
+        out.append(shown(args.rank, label, spec, r))
     if args.rank == 0:
         with open(args.result, "w") as f:
             json.dump(out, f)
@@ -427,7 +503,8 @@ def main():
     ap.add_argument("--model", choices=list(MODELS), default="mlp",
                     help="; ".join(f"{k}: {v}" for k, v in MODELS.items()))
     ap.add_argument("--batch", type=int, default=None,
-                    help="per rank (default: 32 for the MLP, 4 for ResNet-50, 2 for the encoder)")
+                    help="per rank (default: 32 for the MLP, 4 for the ResNet-50s, 2 for the "
+                         "encoder)")
     ap.add_argument("--bucket-mb", type=float, default=0, help="our optimizer's bucket_mb")
     ap.add_argument("--steps", type=int, default=None, help="timed steps per row and rate")
     ap.add_argument("--rates", default=",".join(RATES), help="comma-separated: " + ", ".join(RATES))
@@ -447,7 +524,8 @@ def main():
     if args.rendezvous:
         return rendezvous_server(args.per_node)
     if args.worker == "horovod":
-        return horovod_worker(args)
+        keras = json.loads(args.opts)["model"] in KERAS_MODELS
+        return (keras_worker if keras else horovod_worker)(args)
     if args.worker == "ddp":
         return ddp_worker(args)
 
@@ -455,11 +533,12 @@ def main():
     unknown = [r for r in rates if r not in RATES]
     if unknown:
         sys.exit(f"unknown rate(s) {unknown}; valid: {', '.join(RATES)}")
-    params_m = {"resnet50": 25.557032, "transformer": 108.9}.get(
+    params_m = {"resnet50": 25.557032, "transformer": 108.9, "keras-resnet50": 25.583592}.get(
         args.model, args.params_m or (6.0 if args.quick else 25.0))
     opts = {"model": args.model, "params_m": params_m, "bucket_mb": args.bucket_mb,
             "steps": args.steps or (2 if args.quick else 3), "warmup": 3,
-            "batch": args.batch or {"mlp": 32, "resnet50": 4, "transformer": 2}[args.model]}
+            "batch": args.batch or {"mlp": 32, "resnet50": 4, "transformer": 2,
+                                    "keras-resnet50": 4}[args.model]}
     refuse_unless_able()
     # Ctrl-C or a kill reaches the finally blocks, so the namespaces always go.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -467,18 +546,21 @@ def main():
     if args.select:
         words = args.select.split(",")
         table = [r for r in table if r[1] == "horovod" or any(w in r[0] for w in words)]
+    if args.model in KERAS_MODELS:
+        table = [r for r in table if r[1] != "ddp"]  # DDP hooks are torch's
     rows = []
     with LinkPair() as link, tempfile.TemporaryDirectory() as tmp:
         for rate in rates:
             print(f"{rate}: tc tbf on both ends of the veth pair", flush=True)
             link.shape(RATES[rate])
             # no row sends more than 32-bit gradients (a 100M-parameter model takes 35 s a step
-            # at 100 Mbit/s), plus start-up: only a hang outlives this
+            # at 100 Mbit/s), plus start-up (a Keras row builds and traces its step, some 40 s
+            # on 2 cores): only a hang outlives this
             steps_s = (opts["warmup"] + opts["steps"]) * per_node * opts["params_m"] * 32e6 \
                 / RATES[rate]
 
             def timeout(rows):
-                return 600 + len(rows) * steps_s
+                return 600 + len(rows) * (steps_s + 60)
             hv = [r for r in table if r[1] != "ddp"]
             run_horovod(link, hv, opts, os.path.join(tmp, "h.json"), timeout(hv), per_node)
             parts = ["h.json"]

@@ -150,6 +150,21 @@ def test_network_real_model_in_buckets_quick(tmp_path):
     assert int(rows[2]["bytes_per_step"]) < plain / 10
 
 
+@pytest.mark.skipif(NETWORK_UNAVAILABLE is not None, reason=f"{NETWORK_UNAVAILABLE}")
+def test_network_keras_model_in_buckets_quick(tmp_path):
+    """Keras' ResNet-50 through the TensorFlow frontend: no DDP rows, and the bytes on the link
+    are its 214 trainable tensors' (25,583,592 float32 for Horovod; the batch norms' moving
+    statistics are not trained)."""
+    run("network.py", "--model", "keras-resnet50", "--bucket-mb", "4", "--steps", "1",
+        "--rates", "10gbit", "--select", "topk", "--out", str(tmp_path))
+    data, rows = outputs(tmp_path, "network_keras-resnet50_buckets4mb")
+    assert [r["row"] for r in rows] == ["horovod, no compression", "horovod fp16", "topk 1%"]
+    assert data["settings"]["model"] == "keras-resnet50" and data["settings"]["bucket_mb"] == 4
+    plain = int(rows[0]["bytes_per_step"])
+    assert 25_583_592 * 4 <= plain < 1.2 * 25_583_592 * 4
+    assert int(rows[2]["bytes_per_step"]) < plain / 10
+
+
 def test_cost_model_recovers_a_known_fit(tmp_path):
     """Times made exactly by the model, with an intercept shared by each codec's allgather and
     compressed allreduce so that alpha is identifiable: the fit must give back eta and alpha."""
