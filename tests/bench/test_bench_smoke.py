@@ -136,32 +136,24 @@ def test_network_two_nodes_of_two_quick(tmp_path):
     assert all(float(r["ms_per_step"]) > 0 and int(r["bytes_per_step"]) > 0 for r in rows)
 
 
+# Parameters that cross the link: torchvision's ResNet-50 (bench/models.py), and Keras' through
+# the TensorFlow frontend (its 214 trainable tensors; the batch norms' moving statistics are not
+# trained). Keras has no DDP rows.
+REAL_MODELS = [("resnet50", 25_557_032), ("keras-resnet50", 25_583_592)]
+
+
 @pytest.mark.skipif(NETWORK_UNAVAILABLE is not None, reason=f"{NETWORK_UNAVAILABLE}")
-def test_network_real_model_in_buckets_quick(tmp_path):
-    """ResNet-50's gradients (bench/models.py) in 4 MiB buckets: the file names the model and
-    the buckets, and the bytes on the link are the model's (25.6M float32 for Horovod)."""
-    run("network.py", "--model", "resnet50", "--bucket-mb", "4", "--steps", "1", "--rates",
+@pytest.mark.parametrize("model,params", REAL_MODELS)
+def test_network_real_model_in_buckets_quick(tmp_path, model, params):
+    """A real model's gradients in 4 MiB buckets: the file names the model and the buckets, and
+    the bytes on the link are the model's (float32 for Horovod)."""
+    run("network.py", "--model", model, "--bucket-mb", "4", "--steps", "1", "--rates",
         "10gbit", "--select", "topk", "--out", str(tmp_path))
-    data, rows = outputs(tmp_path, "network_resnet50_buckets4mb")
+    data, rows = outputs(tmp_path, f"network_{model}_buckets4mb")
     assert [r["row"] for r in rows] == ["horovod, no compression", "horovod fp16", "topk 1%"]
-    assert data["settings"]["model"] == "resnet50" and data["settings"]["bucket_mb"] == 4
+    assert data["settings"]["model"] == model and data["settings"]["bucket_mb"] == 4
     plain = int(rows[0]["bytes_per_step"])
-    assert 25_557_032 * 4 <= plain < 1.2 * 25_557_032 * 4
-    assert int(rows[2]["bytes_per_step"]) < plain / 10
-
-
-@pytest.mark.skipif(NETWORK_UNAVAILABLE is not None, reason=f"{NETWORK_UNAVAILABLE}")
-def test_network_keras_model_in_buckets_quick(tmp_path):
-    """Keras' ResNet-50 through the TensorFlow frontend: no DDP rows, and the bytes on the link
-    are its 214 trainable tensors' (25,583,592 float32 for Horovod; the batch norms' moving
-    statistics are not trained)."""
-    run("network.py", "--model", "keras-resnet50", "--bucket-mb", "4", "--steps", "1",
-        "--rates", "10gbit", "--select", "topk", "--out", str(tmp_path))
-    data, rows = outputs(tmp_path, "network_keras-resnet50_buckets4mb")
-    assert [r["row"] for r in rows] == ["horovod, no compression", "horovod fp16", "topk 1%"]
-    assert data["settings"]["model"] == "keras-resnet50" and data["settings"]["bucket_mb"] == 4
-    plain = int(rows[0]["bytes_per_step"])
-    assert 25_583_592 * 4 <= plain < 1.2 * 25_583_592 * 4
+    assert params * 4 <= plain < 1.2 * params * 4
     assert int(rows[2]["bytes_per_step"]) < plain / 10
 
 
