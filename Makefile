@@ -104,10 +104,16 @@ bench: $(STAMP)
 	$(PY) bench/codecs.py
 	$(PY) bench/convergence.py
 	$(PY) bench/convergence.py --model cnn --bucket-mb 1 --ef-only
+	@for advised in "" --advised; do for model in "" "--model cnn --bucket-mb 1"; do \
+	  $(PY) bench/convergence.py --momentum 0.9 --epochs 15 --ef-only $$advised $$model || exit 1; \
+	done; done
 	$(PY) bench/scaling.py
 	$(PY) bench/tensors.py --bucket-mb 4
 	$(PY) bench/network.py
 	$(PY) bench/network.py --layout 2x2
+	$(PY) bench/network.py --model resnet50 --bucket-mb 4
+	$(PY) bench/network.py --model transformer --bucket-mb 4 --steps 2
+	$(PY) bench/network.py --model keras-resnet50 --bucket-mb 4 --steps 2
 	$(PY) bench/cost_model.py
 
 bench-quick: $(STAMP)
