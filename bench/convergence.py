@@ -111,7 +111,8 @@ def worker(args):
             curve.append(float(hvd.allreduce(torch.tensor(total / batches), name="epoch_loss")))
         with torch.no_grad():
             acc = (model(x_te).argmax(1) == y_te).double().mean().item() * 100
-        out.append({"spec": spec, "ran": ran, "test_accuracy": acc, "final_loss": curve[-1], "curve": curve})
+        out.append({"spec": spec, "ran": ran, "test_accuracy": acc, "final_loss": curve[-1],
+                    "curve": curve})
         if hvd.rank() == 0:
             print(f"  {ran:52s} accuracy {acc:6.2f}%  loss {curve[-1]:.4f}", flush=True)
     if hvd.rank() == 0:

@@ -429,8 +429,8 @@ def test_powersgd_equals_simulation(spec, dtype):
         assert same_bits(slots["ef"].reshape(40, 30), t2n(sims[0].e[RANK]))
 
 
-# the TF test's case too (test_tf_parallel.py)
-CONV_KERNELS = [(3, 3, 8, 16), (16, 8, 3, 3)]  # TensorFlow's (H, W, I, O), PyTorch's (O, I, H, W)
+# TensorFlow's (H, W, I, O) and PyTorch's (O, I, H, W); test_tf_parallel.py has the same case
+CONV_KERNELS = [(3, 3, 8, 16), (16, 8, 3, 3)]
 
 
 def test_powersgd_factors_a_conv_kernel_in_either_layout():
