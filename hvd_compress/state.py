@@ -104,6 +104,16 @@ class StateStore:
             self._touch(name, kind, held)
         return held
 
+    def place(self, name: str, kind: str, storage: Any) -> Any:
+        """Let `storage` (shaped like the slot: a frontend's view into a larger buffer) hold the
+        slot from now on, with the value the slot has (live, checkpointed or zeros). The open
+        step's backup stays valid: a rollback copies it back into `storage`."""
+        held = self.slot(name, kind, storage)
+        if held is not storage:
+            self._adapter.restore(storage, held)
+            self._slots[name][kind] = storage
+        return storage
+
     def _touch(self, name: str, kind: str, held: Any) -> None:
         key = (name, kind)
         if self._txn is not None and key not in self._txn:

@@ -87,20 +87,23 @@ class TorchCodec:
         self.rank, self.world = rank, world
         self._homo_words: dict[str, torch.Tensor] = {}
         # Buckets in flight (hvd_compress.buckets): job name -> its members as (parameter name,
-        # gradient, start, stop), and the elementwise state gathered from their slots.
+        # gradient, start, stop), and the bucket's state this step (flat, by kind).
         self._views: dict[str, list] = {}
         self._gathered: dict[str, dict[str, torch.Tensor]] = {}
+        # (job name, kind) -> (buffer, the members' slots that are views of it), kept across
+        # steps: a bucket's state is read and written in place, not gathered and scattered.
+        self._buffers: dict[tuple[str, str], tuple[torch.Tensor, list]] = {}
         self._elementwise = {"ef", "momentum", *self.info.state_slots}
 
     def view(self, name: str, members: list) -> None:
-        """Job `name` is a bucket of `members`: its elementwise state is theirs, gathered for
-        the step and scattered back by finish()."""
+        """Job `name` is a bucket of `members`: its elementwise state is theirs (_bucket_state),
+        its lazy residual scales settled into them by finish()."""
         self._views[name] = members
         self._gathered[name] = {}
 
     def drop_views(self) -> None:
-        """Forget buckets of a step that never finished (their state was not scattered: the
-        store's rollback restores what the gathering touched)."""
+        """Forget buckets of a step that never finished (the store's rollback restores the
+        members' slots the step touched)."""
         self._views.clear()
         self._gathered.clear()
 
@@ -171,18 +174,38 @@ class TorchCodec:
             return self.store.slot(name, kind, like)
         gathered = self._gathered[name]
         if kind not in gathered:
-            views = [self.store.slot(m, kind, g).view(-1)[a:b] for m, g, a, b in members]
-            gathered[kind] = (torch.cat(views), views)
-        return gathered[kind][0]
+            gathered[kind] = self._bucket_state(name, kind, members)
+        return gathered[kind]
 
-    def _scatter(self, name: str) -> None:
-        """A bucket's gathered state back into its members' slots, its lazy residual scales
-        settled first (they belong to the bucket's encoding, not to any member)."""
-        members = self._views.pop(name, None)
-        if members is None:
+    def _bucket_state(self, name: str, kind: str, members: list) -> torch.Tensor:
+        """The bucket's `kind` state as one flat tensor that is its members' own slots: a piece
+        of one parameter is a view of its slot; whole parameters have their slots placed, once,
+        as consecutive views of one buffer (StateStore.place), so that no step copies the state
+        into the bucket and back (two passes over it on top of the codec's one). A slot replaced
+        since (a checkpoint loaded, a rolled-back step that created it) is placed again."""
+        slots = [self.store.slot(m, kind, g) for m, g, _, _ in members]  # the step's backups
+        if len(members) == 1:
+            _, _, a, b = members[0]
+            return slots[0].view(-1)[a:b]
+        held = self._buffers.get((name, kind))
+        if held is None or any(s is not v for s, v in zip(slots, held[1])):
+            like = slots[0]
+            buffer = torch.empty(sum(s.numel() for s in slots), dtype=like.dtype,
+                                 device=like.device)
+            views, at = [], 0
+            for (m, _, _, _), s in zip(members, slots):
+                views.append(self.store.place(m, kind, buffer[at:at + s.numel()].view(s.shape)))
+                at += s.numel()
+            held = self._buffers[name, kind] = (buffer, views)
+        return held[0]
+
+    def _settle_bucket(self, name: str) -> None:
+        """A bucket's lazy residual scales settled into its members' residuals: they belong to
+        the bucket's encoding, not to any member."""
+        if self._views.pop(name, None) is None:
             return
         gathered = self._gathered.pop(name)
-        e = gathered["ef"][0] if "ef" in gathered else None
+        e = gathered.get("ef")
         size = self.info.ef_carry
         for kind, carry in gathered.items():
             parts = carry_parts(kind)
@@ -191,14 +214,6 @@ class TorchCodec:
                 for j in range(parts):
                     _C.ef_settle(self.info.kernel_id, e[bounds[j]:bounds[j + 1]],
                                  carry[j * size:(j + 1) * size])
-        for kind, held in gathered.items():
-            if carry_parts(kind):
-                continue
-            flat, views = held
-            at = 0
-            for view in views:
-                view.copy_(flat[at:at + view.numel()])
-                at += view.numel()
 
     def decode(self, reduced: torch.Tensor, enc: Encoded, alpha: float,
                out: torch.Tensor | None = None) -> torch.Tensor:
@@ -406,7 +421,7 @@ class TorchCodec:
             out = torch.cat(pieces)
         if out.data_ptr() != grad.data_ptr() or not grad.is_contiguous():
             grad.copy_(out.view(grad.shape))
-        self._scatter(job.name)
+        self._settle_bucket(job.name)
         return grad
 
 

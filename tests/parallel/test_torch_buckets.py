@@ -4,8 +4,8 @@ ranks under both `mpirun` and `horovodrun --gloo`.
 The oracle is the layout (hvd_compress.buckets.layout) and, per bucket, the numpy simulation of
 the codec on the concatenation of its members' gradients (tests/simulation.py), every rank's
 gradient computed from seeds; each parameter's reduced gradient is read back out of its buckets
-and compared bit for bit, over several steps so that the residuals gathered from and scattered
-back to the parameters' own slots are checked too.
+and compared bit for bit, over several steps so that the residuals kept in the parameters' own
+slots (placed as consecutive views of one buffer per bucket) are checked too.
 """
 from __future__ import annotations
 
@@ -97,6 +97,13 @@ def test_state_is_keyed_by_parameter_and_a_restart_continues_bit_for_bit(spec):
         grads = step_grads(step)
         reduce(params, opt, grads)
         oracle(grads)
+    # the shared bucket's members keep their state in one buffer, in layout order
+    shared = [m.name for m in oracle.layout[-1].members]
+    store = opt._hvdc_store
+    for kind in store.kinds(shared[0]):
+        slots = [store.peek(name, kind) for name in shared]
+        ends = [s.data_ptr() + s.numel() * s.element_size() for s in slots]
+        assert [s.data_ptr() for s in slots[1:]] == ends[:-1], kind
     state = opt.compression_state_dict()
     compressed = {m.name for b in oracle.layout for m in b.members}
     assert set(state["steps"]) == compressed

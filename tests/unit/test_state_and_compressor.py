@@ -179,6 +179,29 @@ def test_rollback_of_a_first_step_after_a_load_keeps_the_checkpoint_waiting():
     assert s.next_step("w") == 1
 
 
+
+def test_a_placed_slot_keeps_its_value_and_its_step_backup():
+    """place() moves a slot into the caller's storage (a bucket's buffer) with the value it had
+    live, or waiting in a checkpoint; a rollback then restores into that storage, and a slot
+    the rolled-back step created is gone again."""
+    saved = store()
+    saved.slot("w", "ef", torch.ones(3)).fill_(4.0)
+    s = store()
+    s.load_state_dict(saved.state_dict())
+    buffer = torch.full((5,), -1.0)
+    s.begin()
+    w = s.place("w", "ef", buffer[:3])
+    assert w.data_ptr() == buffer.data_ptr() and torch.equal(buffer[:3], torch.full((3,), 4.0))
+    s.commit()
+    s.begin()
+    assert s.place("w", "ef", w) is w and s.slot("w", "ef", torch.ones(3)) is w
+    b = s.place("b", "ef", buffer[3:])
+    assert torch.equal(b, torch.zeros(2))
+    buffer.fill_(8.0)
+    s.rollback()
+    assert torch.equal(buffer[:3], torch.full((3,), 4.0)) and s.peek("b", "ef") is None
+    assert set(s.state_dict()["slots"]) == {"w"}
+
 def test_a_loss_scale_change_rescales_gradient_unit_state_within_the_step():
     saved = store()
     saved.slot("b", "ef", torch.ones(2)).fill_(3.0)
