@@ -60,10 +60,19 @@ class Bucket:
         return f"{self.name}[{','.join(m.name for m in present)}]"
 
 
-def bucket_bytes(bucket_mb: float) -> int:
+def bucket_bytes(bucket_mb: float | None, config=None) -> int:
+    """The bucket size in bytes from an optimizer's `bucket_mb` argument (None: not given) and
+    the spec's `bucket_mb` (CompressionConfig.bucket_mb), which set it alike; no buckets when
+    neither does. Both given and different is an error, not a silent choice of one."""
+    spec_mb = None if config is None else config.bucket_mb
+    if bucket_mb is None:
+        bucket_mb = 0 if spec_mb is None else spec_mb
     if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or bucket_mb < 0:
         raise ValueError(f"bucket_mb must be a number of MiB >= 0 (0: no buckets), got "
                          f"{bucket_mb!r}")
+    if spec_mb is not None and spec_mb != bucket_mb:
+        raise ValueError(f"bucket_mb={bucket_mb!r} is given to the optimizer but the compression "
+                         f"spec says bucket_mb={spec_mb!r}; set it in one place")
     return int(bucket_mb * (1 << 20))
 
 

@@ -22,7 +22,7 @@ COLLECTIVE_CHOICES = ("auto", "allgather", "allreduce", "homomorphic")
 MOMENTUM_CHOICES = ("none", "nesterov")
 DEFAULT_MU = 0.9
 # Keys that decorate any codec rather than parametrise one.
-DECORATOR_KEYS = ("ef", "momentum", "mu", "seed", "collective", "hierarchical")
+DECORATOR_KEYS = ("ef", "momentum", "mu", "seed", "collective", "hierarchical", "bucket_mb")
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,10 @@ class CompressionConfig:
     collective: str = "auto"
     hierarchical: bool = False
     node_fp16: bool = False  # hierarchical=fp16: a node's own legs carry float32 gradients as fp16
+    # Gradient buckets of this many MiB (hvd_compress.buckets); None: the optimizer's argument
+    # decides. How gradients are grouped for the wire, not what the state means: canonical()
+    # leaves it out, so a checkpoint loads under another bucket size.
+    bucket_mb: float | None = None
 
     @property
     def info(self) -> CodecInfo:
@@ -90,6 +94,8 @@ class CompressionConfig:
             items.append(f"collective={self.collective}")
         if self.hierarchical:
             items.append(f"hierarchical={'fp16' if self.node_fp16 else 'true'}")
+        if self.bucket_mb is not None:
+            items.append(f"bucket_mb={_fmt(self.bucket_mb)}")
         return ",".join(items)
 
 
@@ -251,6 +257,13 @@ def parse_spec(spec: Any) -> CompressionConfig:
         raise ValueError(f"{info.name} runs its own {info.rounds}-round pipeline; "
                          f"hierarchical=true is not supported with it")
 
+    bucket_mb = None
+    if "bucket_mb" in items:
+        bucket_mb = _coerce("bucket_mb", float, items.pop("bucket_mb"))
+        if bucket_mb < 0:
+            raise ValueError(f"bucket_mb must be a number of MiB >= 0 (0: no buckets), got "
+                             f"{_fmt(bucket_mb)}")
+
     params = []
     for p in info.params:
         if p.name in items:
@@ -269,7 +282,7 @@ def parse_spec(spec: Any) -> CompressionConfig:
         raise ValueError(f"codec {info.name!r} has no parameter {bad!r}; valid: {', '.join(valid)}")
     return CompressionConfig(codec=info.name, params=tuple(params), ef=ef, momentum=momentum,
                              mu=mu, seed=seed, collective=collective, hierarchical=hierarchical,
-                             node_fp16=node_fp16)
+                             node_fp16=node_fp16, bucket_mb=bucket_mb)
 
 
 def _check_collective(info: CodecInfo, collective: str, fields: dict) -> None:

@@ -82,7 +82,7 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="",
                             gradient_predivide_factor=1.0, num_groups=0, groups=None,
                             process_set=hvd.global_process_set, scale_local_gradients=True,
                             min_compress_bytes: int = DEFAULT_MIN_COMPRESS_BYTES,
-                            bucket_mb: float = 0):
+                            bucket_mb: float | None = None):
     """Wrap a tf.GradientTape like `horovod.tensorflow.DistributedGradientTape` (same arguments,
     in the same order, plus `min_compress_bytes` and `bucket_mb`, as in the torch optimizer),
     compressing gradients. Error-feedback, momentum and step state is kept per variable name and
@@ -104,7 +104,7 @@ def PartialDistributedGradientTape(gradtape, device_dense="", device_sparse="",
                                    groups=None, process_set=hvd.global_process_set,
                                    local_layers=None, scale_local_gradients=True,
                                    min_compress_bytes: int = DEFAULT_MIN_COMPRESS_BYTES,
-                                   bucket_mb: float = 0):
+                                   bucket_mb: float | None = None):
     """Like `horovod.tensorflow.PartialDistributedGradientTape`: the trainable weights of
     `local_layers` (a Keras layer or a list of them) stay local, the rest are compressed."""
     if local_layers is None:
@@ -125,7 +125,7 @@ def PartialDistributedGradientTape(gradtape, device_dense="", device_sparse="",
 
 def DistributedOptimizer(optimizer, compression: Any = "none", op=hvd.Average,
                          min_compress_bytes: int = DEFAULT_MIN_COMPRESS_BYTES, name=None,
-                         process_set=hvd.global_process_set, bucket_mb: float = 0,
+                         process_set=hvd.global_process_set, bucket_mb: float | None = None,
                          **horovod_kwargs):
     """Like `horovod.tensorflow.DistributedOptimizer`: TF1-style `tf.compat.v1.train`
     optimizers are wrapped here, Keras optimizers by hvd_compress.tensorflow.keras."""

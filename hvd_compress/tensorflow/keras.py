@@ -29,7 +29,7 @@ from .reducer import (DEFAULT_MIN_COMPRESS_BYTES, Reducer, attach, new_reducer,
 
 def DistributedOptimizer(optimizer, compression: Any = "none", op=hvd.Average,
                          min_compress_bytes: int = DEFAULT_MIN_COMPRESS_BYTES, name=None,
-                         process_set=hvd.global_process_set, bucket_mb: float = 0,
+                         process_set=hvd.global_process_set, bucket_mb: float | None = None,
                          **horovod_kwargs):
     """Wrap a Keras optimizer like `horovod.tensorflow.keras.DistributedOptimizer`; bucket_mb
     as in the torch optimizer (hvd_compress.buckets).

@@ -578,9 +578,9 @@ def _ring_allreduce_bytes(nbytes: int, world: int) -> float:
 
 
 def new_reducer(compression: Any, min_compress_bytes: int, op, process_set,
-                sparse_as_dense: bool = False, bucket_mb: float = 0) -> Reducer:
+                sparse_as_dense: bool = False, bucket_mb: float | None = None) -> Reducer:
     config = to_config(compression)
-    max_bytes = buckets.bucket_bytes(bucket_mb)
+    max_bytes = buckets.bucket_bytes(bucket_mb, config)
     reducer = Reducer(config, min_compress_bytes, op, process_set, sparse_as_dense, max_bytes)
     if process_set.included() and process_set.size() > 1:
         check_ranks_agree(config, min_compress_bytes, process_set, max_bytes)
@@ -646,11 +646,11 @@ _reducers: dict[tuple, Reducer] = {}
 
 
 def reducer_for(compression: Any, min_compress_bytes: int, op, process_set,
-                sparse_as_dense: bool = False, bucket_mb: float = 0) -> Reducer:
+                sparse_as_dense: bool = False, bucket_mb: float | None = None) -> Reducer:
     """One reducer, and so one state store, per configuration: a tape built anew every step
     finds the state of the steps before."""
     config = to_config(compression)
-    max_bytes = buckets.bucket_bytes(bucket_mb)
+    max_bytes = buckets.bucket_bytes(bucket_mb, config)
     key = (config, min_compress_bytes, op, process_set.process_set_id, sparse_as_dense,
            max_bytes)
     if key not in _reducers:

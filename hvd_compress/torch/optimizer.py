@@ -514,7 +514,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression="none",
                          gradient_predivide_factor=1.0, num_groups=0, groups=None,
                          sparse_as_dense=False, process_set=hvd.global_process_set,
                          min_compress_bytes=DEFAULT_MIN_COMPRESS_BYTES, grad_scaler=None,
-                         bucket_mb=0):
+                         bucket_mb=None):
     """Wrap `optimizer` like `horovod.torch.DistributedOptimizer`, compressing gradients.
 
     compression: a spec string ("topk,k=0.01,ef=vanilla"), a dict with BytePS keys, a
@@ -527,12 +527,13 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression="none",
         Compression state in gradient units (residuals, momenta, DGC velocities) is rescaled
         whenever the loss scale changes, so that it always meets gradients in its own units.
     bucket_mb: compress and send gradients in buckets of up to this many MiB (hvd_compress.buckets),
-        larger tensors in pieces of that size; 0 (the default) sends each gradient alone.
+        larger tensors in pieces of that size; 0 sends each gradient alone. Not given: the
+        spec's `bucket_mb` (so `python -m hvd_compress` and HVD_COMPRESSION can set it), else 0.
         A bucket's selection (top-k, DGC, threshold) and scales (onebit, quantisers) span the
         whole bucket; state stays keyed by parameter name. PowerSGD keeps its per-matrix batches.
     """
     config = _to_config(compression)
-    max_bytes = buckets.bucket_bytes(bucket_mb)
+    max_bytes = buckets.bucket_bytes(bucket_mb, config)
     if max_bytes and config.hierarchical:
         raise ValueError("bucket_mb is not supported with hierarchical=true yet: the two-level "
                          "strategy shards each gradient itself; pass bucket_mb=0")

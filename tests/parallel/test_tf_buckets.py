@@ -94,8 +94,10 @@ def test_the_tape_and_keras_optimizer_take_bucket_mb():
     spec = "onebit,ef=vanilla"
     variables = [tf.Variable(tf.zeros(shape), name=name) for name, shape in SHAPES.items()]
     oracle = bucket_oracle.BucketOracle(spec, WORLD)
-    opt = hvdc_keras.DistributedOptimizer(tf.keras.optimizers.SGD(1.0), compression=spec,
-                                             min_compress_bytes=0, bucket_mb=BUCKET_MB)
+    # the spec's bucket_mb sets the optimizer's buckets as the argument sets the tape's
+    opt = hvdc_keras.DistributedOptimizer(tf.keras.optimizers.SGD(1.0),
+                                          compression=f"{spec},bucket_mb={BUCKET_MB!r}",
+                                          min_compress_bytes=0)
     def loss_of(grads):
         return lambda: tf.add_n([tf.reduce_sum(v * grads[name][RANK])
                                  for v, name in zip(variables, SHAPES)])

@@ -75,6 +75,17 @@ def test_buckets_equal_the_simulated_bucket(spec):
         oracle.check(reduce(params, opt, grads), oracle(grads), f"{spec} at step {step}")
 
 
+def test_bucket_mb_in_the_spec_sets_the_buckets():
+    """As `python -m hvd_compress --compression SPEC` sets them: no optimizer argument."""
+    spec = "onebit,ef=vanilla"
+    params, opt = bucketed(f"{spec},bucket_mb={BUCKET_MB!r}", bucket_mb=None)
+    oracle = make_oracle(spec)
+    for step in range(2):
+        grads = step_grads(step)
+        oracle.check(reduce(params, opt, grads), oracle(grads), f"step {step}")
+    assert {n for n in opt.compression_stats.tensors if n.startswith("hvd_compress.bucket")}
+
+
 @pytest.mark.parametrize("spec", ["fp16", "bf16", "fp16,ef=vanilla"])
 def test_elementwise_codecs_give_the_per_tensor_result(spec):
     per_tensor, opt_a = bucketed(spec, bucket_mb=0)

@@ -71,6 +71,8 @@ def test_defaults_filled_and_canonical_round_trip():
     ("threshold,threshold=-1", "threshold: threshold must be a number >= 0, got -1.0"),
     ("randomk,rescale=true,ef=vanilla", "randomk with rescale=true,ef=vanilla is refused: error "
                                         "feedback would"),
+    ("onebit,bucket_mb=-2", "bucket_mb must be a number of MiB >= 0 (0: no buckets), got -2.0"),
+    ("onebit,bucket_mb=big", "bucket_mb must be a number, got 'big'"),
     ({"k": 0.1}, "names no codec"),
     ({"compressor": "topk", "codec": "topk"}, "not both"),
     (42, "must be a string, a dict or a CompressionConfig, got int"),
@@ -91,6 +93,20 @@ def test_registry_describes_every_codec():
         assert c.wire and c.doc
     assert [c.name for c in hc.codecs() if c.linear] == ["none", "fp16", "randomk", "powersgd"]
     assert hc.get_codec("bf16").collective_note  # says why bf16 is gathered
+
+
+def test_bucket_mb_in_the_spec_sets_the_buckets_but_not_the_states_identity():
+    from hvd_compress.buckets import bucket_bytes
+    cfg = hc.parse_spec("topk,k=0.01,ef=vanilla,bucket_mb=4")
+    assert cfg.bucket_mb == 4.0 and str(cfg) == "topk,k=0.01,ef=vanilla,bucket_mb=4.0"
+    assert cfg.canonical() == hc.parse_spec("topk,k=0.01,ef=vanilla").canonical()
+    assert hc.parse_spec({"compressor": "onebit", "bucket_mb": 0.5}).bucket_mb == 0.5
+    assert bucket_bytes(None, cfg) == bucket_bytes(4, cfg) == 4 << 20
+    assert bucket_bytes(None, hc.parse_spec("onebit")) == 0
+    assert bucket_bytes(2, hc.parse_spec("onebit")) == 2 << 20
+    with pytest.raises(ValueError, match="bucket_mb=1 is given to the optimizer but the "
+                                         "compression spec says bucket_mb=4.0; set it in one"):
+        bucket_bytes(1, cfg)
 
 
 def test_fingerprint_differs_between_specs():
