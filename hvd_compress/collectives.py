@@ -168,6 +168,9 @@ class Job:
     wire_bytes: float = 0.0  # this rank's bytes on the wire by the cost model, for stats
     payload_bytes: int = 0   # bytes of this rank's own payloads (all chunks), for stats
     extra: dict = field(default_factory=dict)  # the frontend's own per-job data
+    # A gradient bucket's members as (name, elements), in the order they fill it; empty for a
+    # gradient alone. Read under granularity=tensor (selections).
+    members: tuple[tuple[str, int], ...] = ()
 
     @property
     def info(self) -> CodecInfo:
@@ -210,6 +213,9 @@ class Ops(Protocol):
     def size(self, payload: Any) -> int: ...
     def concat(self, tensors: list) -> Any: ...
     def split(self, t: Any, sizes: list[int]) -> list: ...
+    def columns(self, gathered: Any, ranks: int, start: int, stop: int) -> Any: ...
+    """Bytes [start, stop) of every rank's row of an allgather of equal-size payloads, as
+    `ranks` rows."""
 
     def reduce(self, job: Job, payloads: Any, part: Part, info: CodecInfo, ranks: int,
                alpha: float) -> Any: ...
@@ -288,6 +294,31 @@ def whole(job: Job) -> Part:
                 seed_name(job.name, job.rank, info.seed_per_rank))
 
 
+def selections(job: Job) -> list[Part]:
+    """The parts the allgather strategy encodes a gradient in: the whole of it, or under
+    granularity=tensor each member of a bucket as if it travelled alone (its own k, its own
+    selection, seeds of its own name), their payloads back to back in one collective.
+    Threshold selects element by element, so it is the same either way: it stays whole."""
+    cfg, info = job.config, job.info
+    if len(job.members) < 2 or cfg.granularity != "tensor" or info.variable_size:
+        return [whole(job)]
+    parts, at = [], 0
+    for i, (name, n) in enumerate(job.members):
+        parts.append(Part(at, at + n, _fields(cfg, n, job.fields_step, None),
+                          seed_name(name, job.rank, info.seed_per_rank), i))
+        at += n
+    return parts
+
+
+def part_bounds(job: Job) -> list[int]:
+    """Where the chosen strategy's plan cuts the gradient into the parts it encodes."""
+    if job.strategy == COMPRESSED_ALLREDUCE:
+        return chunk_bounds(job.n, job.world)
+    if job.strategy == ALLGATHER:
+        return [p.start for p in selections(job)] + [job.n]
+    return [0, job.n]
+
+
 def chunks(job: Job, owner_key: bool = False) -> list[Part]:
     """The world chunks of the gradient. A kept count k (top-k, DGC) is shared out in proportion
     to chunk length, summing to the whole tensor's k. owner_key: seeds of the owners' second
@@ -357,6 +388,12 @@ def choose(job: Job) -> str:
         job.strategy = TWO_LEVEL
         job.wire_bytes = _inner(job, None).wire_bytes
         return TWO_LEVEL
+    parts = selections(job)
+    if len(parts) > 1:  # the members' payloads back to back: one allgather
+        job.strategy = ALLGATHER
+        job.wire_bytes = (job.world - 1) * sum(
+            job.info.payload_bytes(job.itemsize, p.n, p.field_dict) for p in parts)
+        return ALLGATHER
     job.strategy, job.wire_bytes = _cheapest(job.config, job.n, job.itemsize, job.world,
                                              job.fields_step if job.config.stepwise else 0)
     return job.strategy
@@ -404,12 +441,38 @@ def run_allreduce(job: Job, ops: Ops) -> Plan:
 
 def run_allgather(job: Job, ops: Ops) -> Plan:
     info = job.info
+    parts = selections(job)
+    if len(parts) > 1:
+        return (yield from _allgather_selections(job, ops, parts))
     part, payload, alpha = _encode_whole(job, ops)
     if info.variable_size:  # the size formula gave the capacity; this is what is sent
         job.wire_bytes = (job.world - 1) * job.payload_bytes
     gathered = yield Allgather(payload, job.opname, rows=not info.variable_size)
     _keep(job, gathered)
     return ops.finish(job, _reduce_gathered(job, ops, gathered))
+
+
+def _allgather_selections(job: Job, ops: Ops, parts: list[Part]) -> Plan:
+    """A bucket under granularity=tensor: each member encoded and reduced as it would be alone,
+    every rank's payloads of all members gathered in one collective."""
+    info = job.info
+    prescale, alpha = info.average_factors(job.average, job.world)
+    job.extra["prescale"] = prescale
+    x = ops.prepare(job)
+    payloads = [ops.encode_part(job, xs, p, info, "worker")
+                for xs, p in zip(ops.split(x, [p.n for p in parts]), parts)]
+    payload = ops.concat(payloads)
+    if info.samples:
+        payload = ops.mark_nonfinite(job, x, payload)
+    job.payload_bytes = ops.size(payload)
+    gathered = yield Allgather(payload, job.opname, rows=True)
+    pieces, at = [], 0
+    for p, pl in zip(parts, payloads):
+        size = ops.size(pl)
+        rows = ops.columns(gathered, job.world, at, at + size)
+        pieces.append(ops.reduce_into(job, rows, p, info, job.world, alpha))
+        at += size
+    return ops.finish(job, pieces)
 
 
 def _reduce_gathered(job: Job, ops: Ops, gathered: Any) -> list:

@@ -73,6 +73,9 @@ class CodecInfo:
     non-finite element not drawn would vanish from the step unseen: its payload (values in the
     gradient's dtype) gets a NaN first value when the input holds one, and the sum of payloads
     is NaN on every rank. Codecs that select by value send NaN and inf themselves.
+    selects: the codec keeps chosen elements of the tensor it is given (the k largest, those
+    above a threshold): in a gradient bucket the choice spans the bucket or each member
+    (the spec's `granularity`).
     """
 
     name: str
@@ -103,6 +106,7 @@ class CodecInfo:
     homomorphic_levels: Callable[[dict], int | None] | None = None  # of the kernel fields
     rounds: int = 1
     samples: bool = False
+    selects: bool = False
 
     def __post_init__(self):
         if not self.strategies:  # the codec's own collective, and for non-linear codecs the
@@ -257,7 +261,7 @@ register(CodecInfo(
     name="topk", kernel_id=6, collective="allgather", aggregation="mean", params=(K_PARAM,),
     wire="[u32 tag][u32 k][i32 indices, ascending][k values, gradient dtype]",
     doc="the k largest magnitudes (ties: lower index first), fixed k per tensor",
-    bits_per_element=lambda isz: 32 + 8 * isz))
+    bits_per_element=lambda isz: 32 + 8 * isz, selects=True))
 register(CodecInfo(
     name="randomk", kernel_id=7, collective="allreduce", aggregation="mean",
     params=(K_PARAM, Param("rescale", bool, False, "true or false",
@@ -334,7 +338,7 @@ register(CodecInfo(
          "varies by rank and step",
     doc="every element above a fixed magnitude; payloads of any size, never empty (a header "
         "always travels)",
-    bits_per_element=lambda isz: 32 + 8 * isz, variable_size=True,
+    bits_per_element=lambda isz: 32 + 8 * isz, variable_size=True, selects=True,
     collective_note="variable-size payloads gathered back to back"))
 register(CodecInfo(
     name="dgc", kernel_id=12, collective="allgather", aggregation="mean",
@@ -353,7 +357,7 @@ register(CodecInfo(
         "warm-up; weights only (dim > 1)",
     bits_per_element=lambda isz: 32 + 8 * isz, builtin_ef=True,
     state_slots=("dgc_velocity", "dgc_accumulator"), min_dim=2, replaces_momentum=True,
-    server_codec="topk",
+    server_codec="topk", selects=True,
     rejects=(("momentum=nesterov", "DGC corrects momentum itself (momentum_factor); a second, "
               "worker-side momentum would apply it twice"),)))
 

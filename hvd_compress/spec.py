@@ -20,9 +20,13 @@ EF_CHOICES = ("none", "vanilla")
 # family (Horovod's allreduce for linear codecs, else the compressed or homomorphic allreduce).
 COLLECTIVE_CHOICES = ("auto", "allgather", "allreduce", "homomorphic")
 MOMENTUM_CHOICES = ("none", "nesterov")
+# What a selecting codec (top-k, DGC, threshold) chooses among in a gradient bucket: the whole
+# bucket (DGC's layer-free selection), or each member tensor on its own, as without buckets.
+GRANULARITY_CHOICES = ("bucket", "tensor")
 DEFAULT_MU = 0.9
 # Keys that decorate any codec rather than parametrise one.
-DECORATOR_KEYS = ("ef", "momentum", "mu", "seed", "collective", "hierarchical", "bucket_mb")
+DECORATOR_KEYS = ("ef", "momentum", "mu", "seed", "collective", "hierarchical", "bucket_mb",
+                  "granularity")
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,7 @@ class CompressionConfig:
     # decides. How gradients are grouped for the wire, not what the state means: canonical()
     # leaves it out, so a checkpoint loads under another bucket size.
     bucket_mb: float | None = None
+    granularity: str = "bucket"
 
     @property
     def info(self) -> CodecInfo:
@@ -75,6 +80,8 @@ class CompressionConfig:
             items.append(f"collective={self.collective}")
         if self.hierarchical:
             items.append(f"hierarchical={'fp16' if self.node_fp16 else 'true'}")
+        if self.granularity != "bucket":  # absent when default: specs saved before it match
+            items.append(f"granularity={self.granularity}")
         return ",".join(items)
 
     def fingerprint(self) -> int:
@@ -94,6 +101,8 @@ class CompressionConfig:
             items.append(f"collective={self.collective}")
         if self.hierarchical:
             items.append(f"hierarchical={'fp16' if self.node_fp16 else 'true'}")
+        if self.granularity != "bucket":
+            items.append(f"granularity={self.granularity}")
         if self.bucket_mb is not None:
             items.append(f"bucket_mb={_fmt(self.bucket_mb)}")
         return ",".join(items)
@@ -264,6 +273,20 @@ def parse_spec(spec: Any) -> CompressionConfig:
             raise ValueError(f"bucket_mb must be a number of MiB >= 0 (0: no buckets), got "
                              f"{_fmt(bucket_mb)}")
 
+    granularity = _coerce("granularity", str, items.pop("granularity", "bucket"))
+    if granularity not in GRANULARITY_CHOICES:
+        raise ValueError(f"granularity={granularity!r} is not valid; valid: "
+                         f"{', '.join(GRANULARITY_CHOICES)}")
+    if granularity != "bucket":
+        if not info.selects:
+            valid = [c.name for c in codecs() if c.selects]
+            raise ValueError(f"granularity is what a selecting codec chooses among in a bucket; "
+                             f"{info.name} selects nothing: valid for {', '.join(valid)}")
+        if collective not in ("auto", "allgather"):
+            raise ValueError(f"granularity={granularity} sends a bucket's members as one "
+                             f"allgather: collective={collective} is not valid with it; valid: "
+                             f"auto, allgather")
+
     params = []
     for p in info.params:
         if p.name in items:
@@ -282,7 +305,7 @@ def parse_spec(spec: Any) -> CompressionConfig:
         raise ValueError(f"codec {info.name!r} has no parameter {bad!r}; valid: {', '.join(valid)}")
     return CompressionConfig(codec=info.name, params=tuple(params), ef=ef, momentum=momentum,
                              mu=mu, seed=seed, collective=collective, hierarchical=hierarchical,
-                             node_fp16=node_fp16, bucket_mb=bucket_mb)
+                             node_fp16=node_fp16, bucket_mb=bucket_mb, granularity=granularity)
 
 
 def _check_collective(info: CodecInfo, collective: str, fields: dict) -> None:

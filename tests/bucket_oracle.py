@@ -14,6 +14,19 @@ SHAPES = {"v": (300,), "w": (40, 30), "bias": (7,), "emb": (5000,)}
 BUCKET_MB = 2000 * 4 / 2 ** 20
 
 
+# granularity=tensor: three matrices (DGC compresses weights only) in one bucket, with top-k's
+# k as a fraction, as a count per tensor, and DGC's.
+GRANULAR_SHAPES = {"a": (30, 20), "b": (10, 50), "c": (64, 8)}
+GRANULAR_SPECS = ["topk,k=0.05,ef=vanilla", "topk,k=7,ef=vanilla,momentum=nesterov",
+                  "dgc,k=0.05", "dgc,k=0.05,warmup_steps=2"]
+
+
+def granular_grads(step, world):
+    return {name: [g.reshape(shape) for g in
+                   grads_for_step(int(np.prod(shape)), "float32", 10 * step + i, world)]
+            for i, (name, shape) in enumerate(GRANULAR_SHAPES.items())}
+
+
 def step_grads(step, world):
     """Every rank's gradient of every parameter at this step: {name: [rank 0's, ...]}."""
     out = {}

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import tensorflow as tf
 
-from ..collectives import (ALLREDUCE, COMPRESSED_ALLREDUCE, Job, Part, carry_kind, carry_parts,
-                           chunk_bounds)
+from ..collectives import (ALLREDUCE, Job, Part, carry_kind, carry_parts, chunk_bounds,
+                           part_bounds)
 from ..registry import CodecInfo
 from ..seeds import seed_base, seed_name
 from ..spec import CompressionConfig
@@ -329,16 +329,13 @@ class TFCodec:
             return payload
         return lib.hvdc_encode(x, job.step, pres, W=wire, **attrs)
 
-    def _chunk_bounds(self, job: Job) -> list[int]:
-        """Where a plan cuts the tensor into the parts it encodes."""
-        return chunk_bounds(job.n, job.world if job.strategy == COMPRESSED_ALLREDUCE else 1)
 
     def _worker_state_encode(self, job: Job, x, part: Part, info: CodecInfo, attrs: dict):
         held = job.extra.get("codec_state")
         if held is None:
             grad = job.extra["grad"]
             variables = [self._slot(job.name, kind, grad) for kind in info.state_slots]
-            bounds = self._chunk_bounds(job)
+            bounds = part_bounds(job)
             cuts = [tf.split(tf.reshape(v, [-1]), np.diff(bounds).tolist()) for v in variables]
             held = job.extra["codec_state"] = _CodecState(
                 variables, {(a, b): [c[j] for c in cuts]
@@ -362,7 +359,7 @@ class TFCodec:
         if res is None:
             var = self._slot(job.name, "ef", job.extra["grad"])
             # Cut at the chunk bounds by one op rather than a slice (and its constants) per part.
-            bounds = self._chunk_bounds(job)
+            bounds = part_bounds(job)
             parts = len(bounds) - 1
             cuts = tf.split(tf.reshape(var, [-1]), np.diff(bounds).tolist())
             carry = self._carry(job.name, parts)
@@ -407,6 +404,12 @@ class TFCodec:
     @staticmethod
     def split(t, sizes: list) -> list:
         return tf.split(tf.reshape(t, [-1]), sizes, num=len(sizes))
+
+    @staticmethod
+    def columns(gathered, ranks: int, start, stop):
+        # under a traced warm-up the payload sizes, so the bounds, are float64 tensors (size())
+        start, stop = (tf.cast(b, tf.int64) if tf.is_tensor(b) else b for b in (start, stop))
+        return tf.reshape(gathered, [ranks, -1])[:, start:stop]
 
     def walk(self, job: Job, gathered, parts: list[Part], info: CodecInfo) -> list:
         sizes, offset = [], 0

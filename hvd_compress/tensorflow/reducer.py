@@ -443,7 +443,8 @@ class Reducer:
                              0)
             name = bucket.named(present)
             self.codec.view(name, [(m.name, dense[m.name], m.start, m.stop) for m in present])
-            reduced = self._reduce_one(flat, name, step=steps.get(present[0].name), bucket=True)
+            reduced = self._reduce_one(flat, name, step=steps.get(present[0].name),
+                                       members=tuple((m.name, m.n) for m in present))
             at = 0
             for m in present:
                 pieces.setdefault(m.name, []).append(reduced[at:at + m.n])
@@ -474,9 +475,11 @@ class Reducer:
         return {name: tf.cond(active, lambda n=name: self.store.next_step(n),
                               lambda: tf.constant(0, tf.int64)) for name in names}
 
-    def _reduce_one(self, grad, name: str, step=None, bucket: bool = False):
+    def _reduce_one(self, grad, name: str, step=None, members: tuple = ()):
+        """`members`: a bucket's, as collectives.Job takes them; empty for a gradient alone."""
         if grad is None:
             return None
+        bucket = bool(members)
         opname = "hvdc." + _OP_NAME.sub("_", name)
         nbytes = (grad.shape.num_elements() or 0) * grad.dtype.size
         if self._kept_plain(grad, name, bucket):
@@ -493,7 +496,7 @@ class Reducer:
                                   rank=self._rank(), world=ps.size(),
                                   average=self.op == hvd.Average, opname=opname,
                                   step=this_step, fields_step=fields_step(self.config, this_step),
-                                  nodes=self.nodes, extra={"grad": grad})
+                                  nodes=self.nodes, extra={"grad": grad}, members=members)
             collectives.choose(job)
             if warmup_attrs(self.config) and job.strategy != collectives.ALLGATHER:
                 self._gather_under_warmup(job)

@@ -336,6 +336,10 @@ class TorchCodec:
     def split(t: torch.Tensor, sizes: list[int]) -> list:
         return list(torch.split(t.view(-1), sizes))
 
+    @staticmethod
+    def columns(gathered: torch.Tensor, ranks: int, start: int, stop: int) -> torch.Tensor:
+        return gathered.view(ranks, -1)[:, start:stop].contiguous()
+
     def _part_out(self, job: Job, part: Part) -> torch.Tensor:
         out = job.extra.get("out")
         if out is None:

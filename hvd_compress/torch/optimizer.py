@@ -190,7 +190,8 @@ class _CompressedReduction:
         job = collectives.Job(name=name, n=flat.numel(), itemsize=flat.element_size(),
                               config=self._hvdc_config, rank=ps.rank(), world=ps.size(),
                               average=self.op == hvd.Average, opname=name, step=step,
-                              fields_step=step, nodes=self._hvdc_nodes, extra={"grad": flat})
+                              fields_step=step, nodes=self._hvdc_nodes, extra={"grad": flat},
+                              members=tuple((m.name, m.n) for m in members))
         collectives.choose(job)
         self._hvdc_codec.view(name, [(m.name, g, m.start, m.stop) for g, m in zip(grads, members)])
         offsets, at = {}, 0

@@ -86,6 +86,32 @@ def test_bucket_mb_in_the_spec_sets_the_buckets():
     assert {n for n in opt.compression_stats.tensors if n.startswith("hvd_compress.bucket")}
 
 
+@pytest.mark.parametrize("spec", bucket_oracle.GRANULAR_SPECS)
+def test_tensor_granularity_selects_in_each_member_as_without_buckets(spec):
+    """granularity=tensor: three tensors in one bucket and one allgather, each selecting its own
+    k as when it travels alone, so the bits equal the per-tensor run's; with the default
+    (bucket) granularity the selection spans the bucket and they differ."""
+    shapes = bucket_oracle.GRANULAR_SHAPES
+
+    def run(spec, bucket_mb):
+        params = {name: torch.nn.Parameter(torch.zeros(shape)) for name, shape in shapes.items()}
+        opt = hvdc.DistributedOptimizer(torch.optim.SGD(params.values(), lr=0.0),
+                                        named_parameters=list(params.items()), compression=spec,
+                                        min_compress_bytes=0, bucket_mb=bucket_mb)
+        got = [reduce(params, opt, bucket_oracle.granular_grads(step, WORLD))
+               for step in range(3)]
+        return got, opt
+
+    alone, _ = run(f"{spec},collective=allgather", 0)
+    in_tensors, opt = run(f"{spec},granularity=tensor", 1)
+    in_bucket, _ = run(spec, 1)
+    assert set(opt.compression_stats.tensors) == {"hvd_compress.bucket0"}
+    for step, (a, b) in enumerate(zip(alone, in_tensors)):
+        for name in shapes:
+            assert same_bits(a[name], b[name]), f"{name} at step {step}"
+    assert not all(same_bits(a[n], b[n]) for a, b in zip(alone, in_bucket) for n in shapes)
+
+
 @pytest.mark.parametrize("spec", ["fp16", "bf16", "fp16,ef=vanilla"])
 def test_elementwise_codecs_give_the_per_tensor_result(spec):
     per_tensor, opt_a = bucketed(spec, bucket_mb=0)

@@ -73,6 +73,11 @@ def test_defaults_filled_and_canonical_round_trip():
                                         "feedback would"),
     ("onebit,bucket_mb=-2", "bucket_mb must be a number of MiB >= 0 (0: no buckets), got -2.0"),
     ("onebit,bucket_mb=big", "bucket_mb must be a number, got 'big'"),
+    ("onebit,granularity=tensor", "granularity is what a selecting codec chooses among in a "
+                                  "bucket; onebit selects nothing: valid for topk, threshold, dgc"),
+    ("topk,granularity=layer", "granularity='layer' is not valid; valid: bucket, tensor"),
+    ("topk,granularity=tensor,collective=allreduce", "granularity=tensor sends a bucket's "
+                                                     "members as one allgather: collective="),
     ({"k": 0.1}, "names no codec"),
     ({"compressor": "topk", "codec": "topk"}, "not both"),
     (42, "must be a string, a dict or a CompressionConfig, got int"),
@@ -107,6 +112,14 @@ def test_bucket_mb_in_the_spec_sets_the_buckets_but_not_the_states_identity():
     with pytest.raises(ValueError, match="bucket_mb=1 is given to the optimizer but the "
                                          "compression spec says bucket_mb=4.0; set it in one"):
         bucket_bytes(1, cfg)
+
+
+def test_granularity_is_part_of_the_spec_when_not_the_default():
+    tensor = hc.parse_spec("dgc,k=0.01,granularity=tensor")
+    assert tensor.granularity == "tensor" and "granularity=tensor" in tensor.canonical()
+    assert str(tensor).endswith(",granularity=tensor") and hc.parse_spec(str(tensor)) == tensor
+    bucket = hc.parse_spec("dgc,k=0.01,granularity=bucket")
+    assert bucket == hc.parse_spec("dgc,k=0.01") and "granularity" not in bucket.canonical()
 
 
 def test_fingerprint_differs_between_specs():
