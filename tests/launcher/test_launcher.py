@@ -30,7 +30,8 @@ EXIT_CODE = 3
 
 # script -> (spec, the hand edit: (original text, replacement) pairs, each found exactly once)
 CASES = {
-    "torch_train": ("topk,k=0.01,ef=vanilla", [
+    # bucket_mb in the spec: the launcher's only way to turn buckets on
+    "torch_train": ("topk,k=0.01,ef=vanilla,bucket_mb=1", [
         ("import horovod.torch as hvd\n",
          "import horovod.torch as hvd\nimport hvd_compress.torch as hvdc\n"),
         ("hvd.DistributedOptimizer(", "hvdc.DistributedOptimizer("),
@@ -145,6 +146,8 @@ def test_compresses_an_unchanged_script(script, launcher, mode, root):
     assert len(report) == 1 and report[0]["api"] == api and report[0]["spec"] == str(config)
     assert report[0]["steps"] == STEPS and report[0]["ratio"] > 1
     assert {t["codec"] for t in report[0]["tensors"].values()} >= {config.codec}
+    if config.bucket_mb:
+        assert any(name.startswith("hvd_compress.bucket") for name in report[0]["tensors"])
     assert report[0]["codec_ms"] > 0
 
     scalars = tensorboard_scalars(tensorboard)
