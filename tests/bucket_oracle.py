@@ -27,6 +27,22 @@ def granular_grads(step, world):
             for i, (name, shape) in enumerate(GRANULAR_SHAPES.items())}
 
 
+def check_granularity(spec, run):
+    """`run(spec, bucket_mb)` reduces granular_grads for 3 steps with a fresh optimizer and
+    returns ({name: reduced} per step, the names its statistics list). Under
+    granularity=tensor one bucket must give the bits of each tensor sent alone; under the
+    default granularity the selection spans the bucket, and the bits differ."""
+    alone, _ = run(f"{spec},collective=allgather", 0)
+    in_tensors, names = run(f"{spec},granularity=tensor", 1)
+    in_bucket, _ = run(spec, 1)
+    assert set(names) == {"hvd_compress.bucket0"}
+    for step, (a, b) in enumerate(zip(alone, in_tensors)):
+        for name in GRANULAR_SHAPES:
+            assert same_bits(a[name], b[name]), f"{name} at step {step}"
+    assert not all(same_bits(a[n], b[n]) for a, b in zip(alone, in_bucket)
+                   for n in GRANULAR_SHAPES)
+
+
 def step_grads(step, world):
     """Every rank's gradient of every parameter at this step: {name: [rank 0's, ...]}."""
     out = {}
