@@ -329,7 +329,6 @@ class TFCodec:
             return payload
         return lib.hvdc_encode(x, job.step, pres, W=wire, **attrs)
 
-
     def _worker_state_encode(self, job: Job, x, part: Part, info: CodecInfo, attrs: dict):
         held = job.extra.get("codec_state")
         if held is None:
@@ -358,7 +357,7 @@ class TFCodec:
         res = job.extra.get("residual")
         if res is None:
             var = self._slot(job.name, "ef", job.extra["grad"])
-            # Cut at the chunk bounds by one op rather than a slice (and its constants) per part.
+            # Cut at the part bounds by one op rather than a slice (and its constants) per part.
             bounds = part_bounds(job)
             parts = len(bounds) - 1
             cuts = tf.split(tf.reshape(var, [-1]), np.diff(bounds).tolist())
