@@ -299,15 +299,21 @@ def selections(job: Job) -> list[Part]:
     granularity=tensor each member of a bucket as if it travelled alone (its own k, its own
     selection, seeds of its own name), their payloads back to back in one collective.
     Threshold selects element by element, so it is the same either way: it stays whole."""
-    cfg, info = job.config, job.info
-    if len(job.members) < 2 or cfg.granularity != "tensor" or info.variable_size:
+    if not _per_member(job):
         return [whole(job)]
+    cfg, info = job.config, job.info
     parts, at = [], 0
     for i, (name, n) in enumerate(job.members):
         parts.append(Part(at, at + n, _fields(cfg, n, job.fields_step, None),
                           seed_name(name, job.rank, info.seed_per_rank), i))
         at += n
     return parts
+
+
+def _per_member(job: Job) -> bool:
+    # asked of every tensor every step: no parts are made to answer it
+    return (len(job.members) > 1 and job.config.granularity == "tensor"
+            and not job.info.variable_size)
 
 
 def part_bounds(job: Job) -> list[int]:
@@ -388,8 +394,8 @@ def choose(job: Job) -> str:
         job.strategy = TWO_LEVEL
         job.wire_bytes = _inner(job, None).wire_bytes
         return TWO_LEVEL
-    parts = selections(job)
-    if len(parts) > 1:  # the members' payloads back to back: one allgather
+    if _per_member(job):  # the members' payloads back to back: one allgather
+        parts = selections(job)
         job.strategy = ALLGATHER
         job.wire_bytes = (job.world - 1) * sum(
             job.info.payload_bytes(job.itemsize, p.n, p.field_dict) for p in parts)
@@ -441,9 +447,8 @@ def run_allreduce(job: Job, ops: Ops) -> Plan:
 
 def run_allgather(job: Job, ops: Ops) -> Plan:
     info = job.info
-    parts = selections(job)
-    if len(parts) > 1:
-        return (yield from _allgather_selections(job, ops, parts))
+    if _per_member(job):
+        return (yield from _allgather_selections(job, ops, selections(job)))
     part, payload, alpha = _encode_whole(job, ops)
     if info.variable_size:  # the size formula gave the capacity; this is what is sent
         job.wire_bytes = (job.world - 1) * job.payload_bytes
