@@ -53,6 +53,40 @@ std::vector<int64_t> threshold_offsets(DType d, const void* payloads, int64_t ra
   return offsets;
 }
 
+// A payload's fields lie on multiples of their own size from its start, so the kernels read it
+// in place only from an 8-byte boundary. Received payloads need not start on one: gathered rows
+// of an odd length (16-bit values with an odd k, a 33-level dither) or a payload split out of a
+// concatenation. The GPU faults on misaligned loads where the CPU does not, so such payloads are
+// read from a copy whose rows start on the boundary.
+constexpr int64_t kAlign = 8;
+int64_t round_up(int64_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
+bool misaligned(const void* p, int64_t ranks, int64_t stride) {
+  return reinterpret_cast<uintptr_t>(p) % kAlign != 0 || (ranks > 1 && stride % kAlign != 0);
+}
+
+// `ranks` rows `stride` apart, copied to rows `round_up(stride)` apart in `copy`.
+const void* realign(const void* payloads, int64_t ranks, int64_t stride, Scratch& copy,
+                    cudaStream_t s) {
+  check(cudaMemcpy2DAsync(copy.as<void>(), round_up(stride), payloads, stride, stride, ranks,
+                          cudaMemcpyDeviceToDevice, s), "payload realignment");
+  return copy.as<void>();
+}
+
+// Threshold's back-to-back payloads of any length, each copied to an aligned offset.
+const void* realign(const void* payloads, std::vector<int64_t>& offsets, int64_t total,
+                    Scratch& copy, cudaStream_t s) {
+  const auto* base = static_cast<const uint8_t*>(payloads);
+  int64_t to = 0;
+  for (size_t r = 0; r < offsets.size(); ++r) {
+    const int64_t bytes = (r + 1 < offsets.size() ? offsets[r + 1] : total) - offsets[r];
+    check(cudaMemcpyAsync(copy.as<uint8_t>(to), base + offsets[r], bytes, cudaMemcpyDeviceToDevice, s),
+          "payload realignment");
+    offsets[r] = to;
+    to += round_up(bytes);
+  }
+  return copy.as<void>();
+}
+
 // alpha * D(payload) into out (accumulating or not), for a payload this rank made or one that
 // has passed the header checks.
 void decode_checked(CodecId c, DType d, const void* payload, int64_t n, const Params& p, void* out,
@@ -97,9 +131,12 @@ void decode(CodecId c, DType d, const void* payload, int64_t n, const Params& p,
             double alpha, bool accumulate, void* stream) {
   check_args(c, d, n, p);
   cudaStream_t s = as_stream(stream);
-  if (has_header(c) && c != kThreshold)
-    check_headers(c, d, payload, 1, payload_bytes(c, d, n, p), p, s);
-  if (c == kThreshold) threshold_offsets(d, payload, 1, encoded_bytes(c, d, payload, n, p, stream), n, s);
+  const int64_t bytes = encoded_bytes(c, d, payload, n, p, stream);
+  if (has_header(c) && c != kThreshold) check_headers(c, d, payload, 1, bytes, p, s);
+  if (c == kThreshold) threshold_offsets(d, payload, 1, bytes, n, s);
+  const bool move = misaligned(payload, 1, bytes);
+  Scratch copy(move ? round_up(bytes) : 0, s);
+  if (move) payload = realign(payload, 1, bytes, copy, s);
   decode_checked(c, d, payload, n, p, out, alpha, accumulate, s);
 }
 
@@ -109,7 +146,11 @@ void aggregate(CodecId c, DType d, const void* payloads, int64_t ranks, int64_t 
   cudaStream_t s = as_stream(stream);
   if (ranks < 1) throw KernelError("aggregate needs at least one payload, got " + std::to_string(ranks));
   if (c == kThreshold) {
-    const std::vector<int64_t> offsets = threshold_offsets(d, payloads, ranks, stride, n, s);
+    std::vector<int64_t> offsets = threshold_offsets(d, payloads, ranks, stride, n, s);
+    bool move = misaligned(payloads, 1, 0);
+    for (int64_t o : offsets) move = move || o % kAlign != 0;
+    Scratch copy(move ? stride + ranks * kAlign : 0, s);
+    if (move) payloads = realign(payloads, offsets, stride, copy, s);
     return sparse::threshold_aggregate(d, payloads, offsets.data(), ranks, n, out, alpha, false, s);
   }
   const int64_t one = payload_bytes(c, d, n, p);
@@ -117,6 +158,12 @@ void aggregate(CodecId c, DType d, const void* payloads, int64_t ranks, int64_t 
     throw KernelError("gathered payloads are " + std::to_string(stride) +
                       " bytes apart but one payload is " + std::to_string(one) + " bytes");
   if (has_header(c)) check_headers(c, d, payloads, ranks, stride, p, s);
+  const bool move = misaligned(payloads, ranks, stride);
+  Scratch copy(move ? ranks * round_up(stride) : 0, s);
+  if (move) {
+    payloads = realign(payloads, ranks, stride, copy, s);
+    stride = round_up(stride);
+  }
   if (is_sign(c)) return sign::aggregate(c, d, payloads, ranks, stride, n, out, alpha, s);
   switch (c) {
     case kFP16:
