@@ -65,7 +65,13 @@ def payload_of(kernel, x, p):
 
 
 def bits(t: torch.Tensor) -> bytes:
-    return t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+    """The tensor's bytes, every NaN as torch's one NaN: a NaN's own bits are the hardware's
+    (x86 makes inf - inf the negative quiet NaN, CUDA the positive one, and they carry an
+    operand's payload differently); that it is NaN, and where, is compared."""
+    t = t.detach().cpu().contiguous()
+    if t.is_floating_point():
+        t = torch.where(torch.isnan(t), torch.full_like(t, float("nan")), t)
+    return t.view(torch.uint8).numpy().tobytes()
 
 
 def assert_same(gpu: torch.Tensor, cpu: torch.Tensor, what: str):
@@ -120,6 +126,33 @@ def test_aggregate_equals_cpu(label, kernel, fields, n, dtype):
         _C.aggregate(K[kernel], stacked, out_c, p, 1 / 3)
         _C.aggregate(K[kernel], stacked.to(DEV), out_g, p, 1 / 3)
     assert_same(out_g, out_c, f"{label} aggregate")
+
+
+@pytest.mark.parametrize("shift", [1, 2, 4])
+@pytest.mark.parametrize("label,kernel,fields", ALLGATHER, ids=[c[0] for c in ALLGATHER])
+def test_payloads_off_an_8_byte_boundary_equal_cpu(label, kernel, fields, shift):
+    """A payload split out of a concatenation (buckets, the node share) starts where the one
+    before it ended, and 16-bit values with an odd k give gathered rows of an odd length: the
+    GPU reads them where they lie, as the CPU does, instead of faulting on a misaligned load."""
+    n, dtype = 33, "float16"
+    p = make_params(fields, n)
+    payloads = [payload_of(kernel, random_grad(n, dtype, seed=r), p).view(torch.uint8)
+                for r in range(3)]
+    size = payloads[0].numel()
+    buf_c = torch.cat([torch.zeros(shift, dtype=torch.uint8)] + payloads)
+    buf_g = buf_c.to(DEV)
+    base = random_grad(n, dtype, seed=7)
+    out_c, out_g = base.clone(), base.to(DEV)
+    if kernel == "threshold":
+        _C.aggregate_concat(K[kernel], buf_c[shift:], 3, out_c, p, 0.5)
+        _C.aggregate_concat(K[kernel], buf_g[shift:], 3, out_g, p, 0.5)
+    else:
+        _C.aggregate(K[kernel], buf_c[shift:].view(3, size), out_c, p, 0.5)
+        _C.aggregate(K[kernel], buf_g[shift:].view(3, size), out_g, p, 0.5)
+        assert_same(out_g, out_c, f"{label} aggregate at +{shift}")
+        _C.decode(K[kernel], buf_c[shift:shift + size], out_c, p, -1.0, True)
+        _C.decode(K[kernel], buf_g[shift:shift + size], out_g, p, -1.0, True)
+    assert_same(out_g, out_c, f"{label} at +{shift}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
