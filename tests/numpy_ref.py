@@ -308,6 +308,8 @@ def dgc_encode(x: np.ndarray, u: np.ndarray, v: np.ndarray, dtype: str, k: int,
     if clip_norm > 0 and n:
         g64 = g.astype(np.float64)
         norm = np.sqrt(np.cumsum(g64 * g64)[-1])
+        if A is np.float64:  # at float precision, so that the order of the sum cannot matter
+            norm = float(np.float32(norm))
         if norm > clip_norm:
             scale = A(clip_norm / norm)
     with np.errstate(invalid="ignore", over="ignore"):  # inf gradients give NaN, as in C++

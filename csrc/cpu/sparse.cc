@@ -188,7 +188,9 @@ void dgc_encode(DType d, const void* x, void* u, void* v, int64_t n, const Param
         const double g = to_acc(xs[i]);
         sq += g * g;
       }
-      const double norm = std::sqrt(sq);
+      // A float64 gradient's norm is rounded to float as well: the GPU adds the squares in
+      // another order, and only the rounding makes both give the same scale.
+      const double norm = std::is_same_v<A, double> ? static_cast<float>(std::sqrt(sq)) : std::sqrt(sq);
       if (norm > p.clip_norm) scale = static_cast<A>(p.clip_norm / norm);
     }
     const A mf = static_cast<A>(p.momentum_factor);

@@ -339,7 +339,9 @@ __global__ void clip_scale_k(const double* partial, int64_t parts, double clip_n
   for (int64_t j = threadIdx.x; j < parts; j += blockDim.x) s += partial[j];
   s = block_sum(s, smem);
   if (threadIdx.x == 0) {
-    const double norm = sqrt(s);
+    // Rounded to float for float64 as on the CPU (csrc/cpu/sparse.cc): the order of the sum
+    // differs, the rounded norm does not.
+    const double norm = std::is_same_v<A, double> ? static_cast<float>(sqrt(s)) : sqrt(s);
     *scale = norm > clip_norm ? static_cast<A>(clip_norm / norm) : A(1);
   }
 }
