@@ -55,9 +55,10 @@ std::vector<int64_t> threshold_offsets(DType d, const void* payloads, int64_t ra
 
 // A payload's fields lie on multiples of their own size from its start, so the kernels read it
 // in place only from an 8-byte boundary. Received payloads need not start on one: gathered rows
-// of an odd length (16-bit values with an odd k, a 33-level dither) or a payload split out of a
-// concatenation. The GPU faults on misaligned loads where the CPU does not, so such payloads are
-// read from a copy whose rows start on the boundary.
+// of an odd length (16-bit values with an odd k; natural's or QSGD's byte per element of an
+// odd-sized tensor) or a payload split out of a concatenation. The GPU faults on misaligned
+// loads where the CPU does not, so such payloads are read from a copy whose rows start on the
+// boundary.
 constexpr int64_t kAlign = 8;
 int64_t round_up(int64_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
 bool misaligned(const void* p, int64_t ranks, int64_t stride) {
