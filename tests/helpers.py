@@ -52,6 +52,16 @@ def payload_bytes(payload: torch.Tensor) -> bytes:
     return payload.contiguous().view(torch.uint8).numpy().tobytes()
 
 
+def device_bits(t: torch.Tensor) -> bytes:
+    """The tensor's bytes, every NaN as torch's one NaN: a NaN's own bits are the hardware's
+    (x86 makes inf - inf the negative quiet NaN, CUDA the positive one, and they carry an
+    operand's payload differently); that it is NaN, and where, is compared (tests/gpu)."""
+    t = t.detach().cpu().contiguous()
+    if t.is_floating_point():
+        t = torch.where(torch.isnan(t), torch.full_like(t, float("nan")), t)
+    return t.view(torch.uint8).numpy().tobytes()
+
+
 def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import params, random_grad
+from helpers import device_bits, params, random_grad
 from hvd_compress.torch import _C
 
 if not torch.cuda.is_available():
@@ -64,18 +64,8 @@ def payload_of(kernel, x, p):
     return payload
 
 
-def bits(t: torch.Tensor) -> bytes:
-    """The tensor's bytes, every NaN as torch's one NaN: a NaN's own bits are the hardware's
-    (x86 makes inf - inf the negative quiet NaN, CUDA the positive one, and they carry an
-    operand's payload differently); that it is NaN, and where, is compared."""
-    t = t.detach().cpu().contiguous()
-    if t.is_floating_point():
-        t = torch.where(torch.isnan(t), torch.full_like(t, float("nan")), t)
-    return t.view(torch.uint8).numpy().tobytes()
-
-
 def assert_same(gpu: torch.Tensor, cpu: torch.Tensor, what: str):
-    g, c = bits(gpu), bits(cpu)
+    g, c = device_bits(gpu), device_bits(cpu)
     if g != c:
         a, b = np.frombuffer(g, np.uint8), np.frombuffer(c, np.uint8)
         if a.size != b.size:
