@@ -150,3 +150,54 @@ def test_ranks_with_different_bucket_sizes_get_an_error():
     with pytest.raises(ValueError, match="ranks disagree on the compression spec"):
         hvdc_tf.reducer.new_reducer("onebit", 0, hvd.Average, hvd.global_process_set,
                                     bucket_mb=1 if RANK == 0 else 2)
+
+
+def graph_ancestors(op):
+    """Every op that `op` waits for in its graph: data and control inputs, transitively."""
+    seen, todo = set(), [op]
+    while todo:
+        current = todo.pop()
+        for parent in [t.op for t in current.inputs] + list(current.control_inputs):
+            if parent not in seen:
+                seen.add(parent)
+                todo.append(parent)
+    return seen
+
+
+@pytest.mark.parametrize("spec", ["onebit,ef=vanilla", "topk,k=0.1,ef=vanilla"])
+def test_a_traced_bucket_waits_only_for_its_own_gradients(spec):
+    """Overlap inside tf.function (Keras' compiled steps): a bucket's compression and
+    collectives depend on its members' gradients and on nothing computed later in backward, so
+    TF's executor starts them while the rest of backward runs, as it does Horovod's allreduces.
+    Three chained layers, one bucket each: backward computes c's gradient, then b's, then a's;
+    c's reduced gradient must not wait for b's or a's, nor b's for a's."""
+    size = 8
+    layers = [tf.Variable(tf.random.stateless_normal([size, size], [7, i]), name=n)
+              for i, n in enumerate("abc")]
+    reducer = hvdc_tf.Reducer(hvdc_tf.reducer.to_config(spec), 0, hvd.Average,
+                              hvd.global_process_set, bucket_bytes=size * size * 4)
+    seen = {}
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            h = x
+            for w in layers:
+                h = tf.tanh(h @ w)
+            loss = tf.reduce_sum(h)
+        grads = tape.gradient(loss, layers)
+        reduced = reducer.reduce(grads, layers)
+        seen["grads"], seen["reduced"] = ([t.op.name for t in ts] for ts in (grads, reduced))
+        return reduced
+
+    traced = tf.function(step)
+    x = tf.random.stateless_normal([2, size], [RANK, 1])
+    graph = traced.get_concrete_function(x).graph
+    assert sorted(reducer.stats.tensors) == [f"hvd_compress.bucket{i}" for i in range(3)]
+    traced(x)  # the graph inspected is the one that runs: every rank's collectives match
+    op = graph.get_operation_by_name
+    grad_a, grad_b, grad_c = (op(n) for n in seen["grads"])
+    reduced_a, reduced_b, reduced_c = (op(n) for n in seen["reduced"])
+    before_c, before_b = graph_ancestors(reduced_c), graph_ancestors(reduced_b)
+    assert grad_c in before_c and grad_b in before_b and grad_a in graph_ancestors(reduced_a)
+    assert grad_b not in before_c and grad_a not in before_c, "c's bucket waits for later gradients"
+    assert grad_a not in before_b, "b's bucket waits for a's gradient"
