@@ -157,6 +157,32 @@ def test_network_real_model_in_buckets_quick(tmp_path, model, params):
     assert int(rows[2]["bytes_per_step"]) < plain / 10
 
 
+def test_bucket_size_collates_the_runs_it_finds(tmp_path):
+    """Runs already under --work are read, not run again (no root needed): the table is the
+    median over the repeats, and the geomean row takes our rows only, each against its time
+    alone."""
+    times = {("onebit", 0): [100, 120], ("onebit", 4): [121, 121], ("topk 1%", 0): [200, 200],
+             ("topk 1%", 4): [170, 190], ("horovod, no compression", 0): [900, 900],
+             ("horovod, no compression", 4): [500, 500]}
+    for repeat in (1, 2):
+        for size in (0, 4):
+            folder = tmp_path / "work" / f"r{repeat}b{size}"
+            folder.mkdir(parents=True)
+            rows = [{"rate": "1gbit", "row": row, "spec": "", "bytes_per_step": 1,
+                     "ms_per_step": ms[repeat - 1]}
+                    for (row, s), ms in times.items() if s == size]
+            name = "network_resnet50" + ("_buckets4mb" if size else "")
+            (folder / f"{name}.json").write_text(json.dumps({"settings": {}, "rows": rows}))
+    run("bucket_size.py", "--sizes", "0,4", "--rates", "1gbit", "--repeats", "2", "--work",
+        str(tmp_path / "work"), "--out", str(tmp_path))
+    data, _ = outputs(tmp_path, "bucket_size_resnet50")
+    got = {(r["row"], r["bucket_mb"]): r["ms_per_step"] for r in data["rows"]}
+    assert got[("onebit", 0)] == 110 and got[("topk 1%", 4)] == 180
+    assert got[("horovod, no compression", 4)] == 500
+    assert abs(got[("geomean of ours / alone", 4)] - (121 / 110 * 180 / 200) ** 0.5) < 1e-12
+    assert got[("geomean of ours / alone", 0)] == 1
+
+
 def test_cost_model_recovers_a_known_fit(tmp_path):
     """Times made exactly by the model, with an intercept shared by each codec's allgather and
     compressed allreduce so that alpha is identifiable: the fit must give back eta and alpha."""
