@@ -196,7 +196,7 @@ def report(got, settings, out_dir, name="convergence"):
                             "EF - none", "EF within 1 point"], lines))
     results.write(out_dir, name, settings, rows)
     with open(os.path.join(out_dir, f"{name}_curves.json"), "w") as f:
-        json.dump({r["spec"]: r["curve"] for r in got}, f, indent=1)
+        json.dump({spec: r["curve"] for spec, r in by_spec.items()}, f, indent=1)
 
     plt = results.pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(13, 5))
