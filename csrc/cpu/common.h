@@ -85,6 +85,9 @@ void ef_settle(DType d, void* e, float* carry, int64_t n);
 namespace topk {
 int64_t payload_bytes(DType d, int64_t k);
 void encode(DType d, const void* x, int64_t n, const Params& p, void* payload);
+// e = x + e, then encode(e): in one pass over memory where the generic path takes two.
+void ef_accumulate_encode(DType d, const void* x, void* e, int64_t n, const Params& p,
+                          void* payload);
 void decode(DType d, const void* payload, int64_t n, const Params& p, void* out, double alpha,
             bool acc);
 void aggregate(DType d, const void* payloads, int64_t ranks, int64_t stride, int64_t n,

@@ -272,13 +272,17 @@ void ef_encode(CodecId c, DType d, const void* x, void* e, float* carry, int64_t
   if (ef_carry_size(c) && carry == nullptr)
     throw KernelError(std::string(codec_name(c)) + ": error feedback needs its carry slot");
   if (is_sign(c)) return sign::ef_encode(c, d, x, e, carry, n, p, payload);
-  dispatch_dtype(d, [&](auto* tag) {
-    using T = std::remove_pointer_t<decltype(tag)>;
-    const T* xs = static_cast<const T*>(x);
-    T* es = static_cast<T*>(e);
-    for (int64_t i = 0; i < n; ++i) es[i] = from_acc<T>(to_acc(xs[i]) + to_acc(es[i]));
-  });
-  encode(c, d, e, n, p, payload);
+  if (c == kTopK) {
+    topk::ef_accumulate_encode(d, x, e, n, p, payload);
+  } else {
+    dispatch_dtype(d, [&](auto* tag) {
+      using T = std::remove_pointer_t<decltype(tag)>;
+      const T* xs = static_cast<const T*>(x);
+      T* es = static_cast<T*>(e);
+      for (int64_t i = 0; i < n; ++i) es[i] = from_acc<T>(to_acc(xs[i]) + to_acc(es[i]));
+    });
+    encode(c, d, e, n, p, payload);
+  }
   // D undoes the prescale, so the residual is measured in gradient units.
   decode(c, d, payload, n, p, e, -1.0 / p.prescale, true);
 }

@@ -1,7 +1,8 @@
 // topk: the k elements of largest magnitude, ties broken toward the lower index, sent as
 // [u32 tag][u32 k][i32 indices, ascending, padded to 8 bytes][k values in the gradient dtype].
-// Selection: a threshold from a strided sample, one pass collecting the elements at or above
-// it, then an exact selection among those few candidates (no sort of the whole gradient).
+// Selection: a threshold from a histogram of a strided sample, one pass collecting the elements
+// at or above it (with error feedback, the same pass adds the residual), then an exact radix
+// selection among those few candidates (no sort of the whole gradient).
 #include <immintrin.h>
 
 #include <algorithm>
@@ -16,11 +17,13 @@ namespace {
 constexpr int64_t kHeader = 8;
 int64_t index_bytes(int64_t k) { return (k * 4 + 7) / 8 * 8; }
 
-// Selection by key_of (hvdc/element.h): NaN ranks above inf, so it gets sent.
-template <class T> auto key_at(const T* x, int64_t i) { return key_of(to_acc(x[i])); }
+// Selection orders by key_of (hvdc/element.h): NaN ranks above inf, so it gets sent.
 
-__attribute__((target("avx2"))) void collect_f32_avx2(const float* x, int64_t n, uint32_t t,
-                                                      std::vector<int32_t>& out) {
+// The indices i with key >= t, appended to out in ascending order; for float under AVX2 the
+// keys are the float bits without the sign, compared as integers.
+template <bool kAccumulate>
+__attribute__((target("avx2"))) void collect_f32_avx2(const float* x, float* e, int64_t n,
+                                                      uint32_t t, std::vector<int32_t>& out) {
   // keys are below 2^31, so a signed compare against t - 1 is the unsigned test key >= t.
   const __m256i thr = _mm256_set1_epi32(static_cast<int32_t>(t) - 1);
   const __m256i absmask = _mm256_set1_epi32(0x7fffffff);
@@ -28,10 +31,18 @@ __attribute__((target("avx2"))) void collect_f32_avx2(const float* x, int64_t n,
   for (; i + 32 <= n; i += 32) {
     prefetch_ahead(x + i);
     prefetch_ahead(x + i + 16);
+    if constexpr (kAccumulate) {
+      prefetch_ahead(e + i);
+      prefetch_ahead(e + i + 16);
+    }
     uint32_t m = 0;
     for (int u = 0; u < 4; ++u) {
-      __m256i k = _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i + 8 * u)),
-                                   absmask);
+      __m256 v = _mm256_loadu_ps(x + i + 8 * u);
+      if constexpr (kAccumulate) {
+        v = _mm256_add_ps(v, _mm256_loadu_ps(e + i + 8 * u));
+        _mm256_storeu_ps(e + i + 8 * u, v);
+      }
+      const __m256i k = _mm256_and_si256(_mm256_castps_si256(v), absmask);
       m |= static_cast<uint32_t>(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(k, thr))))
            << (8 * u);
     }
@@ -40,57 +51,95 @@ __attribute__((target("avx2"))) void collect_f32_avx2(const float* x, int64_t n,
       m &= m - 1;
     }
   }
-  for (; i < n; ++i)
-    if (key_of(x[i]) >= t) out.push_back(static_cast<int32_t>(i));
+  for (; i < n; ++i) {
+    const float v = kAccumulate ? (e[i] = x[i] + e[i]) : x[i];
+    if (key_of(v) >= t) out.push_back(static_cast<int32_t>(i));
+  }
 }
 
+template <class T> T sum_of(const T* x, const T* e, int64_t i) {
+  return from_acc<T>(to_acc(x[i]) + to_acc(e[i]));
+}
+
+// collect over x, or with e given, over e = x + e as it is written (the error-feedback pass and
+// the candidate pass in one sweep of memory).
 template <class T, class K>
-void collect(const T* x, int64_t n, K t, std::vector<int32_t>& out) {
+void collect(const T* x, T* e, int64_t n, K t, std::vector<int32_t>& out) {
   if constexpr (std::is_same_v<T, float>) {
-    if (cpu_has_avx2_f16c() && t > 0) return collect_f32_avx2(x, n, t, out);
+    if (cpu_has_avx2_f16c() && t > 0)
+      return e ? collect_f32_avx2<true>(x, e, n, t, out) : collect_f32_avx2<false>(x, e, n, t, out);
   }
-  for (int64_t i = 0; i < n; ++i)
-    if (key_at(x, i) >= t) out.push_back(static_cast<int32_t>(i));
+  for (int64_t i = 0; i < n; ++i) {
+    const T v = e ? (e[i] = sum_of(x, e, i)) : x[i];
+    if (key_of(to_acc(v)) >= t) out.push_back(static_cast<int32_t>(i));
+  }
 }
 
-// Writes the indices of the top k (ascending) to idx. 0 < k < n.
-template <class T>
-void select(const T* x, int64_t n, int64_t k, int32_t* idx) {
-  using K = decltype(key_at(x, 0));
-  std::vector<int32_t> cand;
-  bool have = false;
-  if (n > 16384 && k * 16 < n) {
-    const int64_t m = std::min<int64_t>(n, 65536);
-    const int64_t stride = n / m;
-    std::vector<K> sample(static_cast<size_t>(m));
-    for (int64_t j = 0; j < m; ++j) sample[j] = key_at(x, j * stride);
-    // Aim a little above k so one pass usually suffices; widen if the sample was unlucky.
-    for (double want = 1.25 * k + 64; !have && want * m / n < m; want *= 4) {
-      const int64_t r = static_cast<int64_t>(want * m / n);
-      std::nth_element(sample.begin(), sample.begin() + r, sample.end(), std::greater<K>());
-      cand.clear();
-      cand.reserve(static_cast<size_t>(want * 1.5));
-      collect(x, n, sample[r], cand);
-      have = static_cast<int64_t>(cand.size()) >= k;
-    }
+// Keys (key_of, sign bit clear) fall into bins by their top kBinBits bits below the sign:
+// for float, the exponent and 4 mantissa bits, so a bin spans 1/16 of an octave.
+constexpr int kBinBits = 12;
+template <class K> constexpr int bin_shift() { return 8 * sizeof(K) - 1 - kBinBits; }
+
+// The k candidates first under (key descending, index ascending), in index order, to idx.
+// A radix selection, kBinBits of the key at a time from the top: each round counts the keys
+// that share the bits found so far, which finds the k-th key exactly in a few passes over the
+// candidates (a comparison selection took a third of this kernel's time).
+template <class K>
+void exact_top(const std::vector<K>& keys, const std::vector<int32_t>& cand, int64_t k,
+               std::vector<uint32_t>& hist, int32_t* idx) {
+  K prefix = 0, fixed = 0;  // the bits of the k-th key found so far, and which bits those are
+  int64_t need = k;         // its rank among the keys that match prefix on those bits
+  for (int top = 8 * sizeof(K) - 1; top > 0; top -= kBinBits) {
+    const int shift = std::max(0, top - kBinBits);
+    const K digits = (K(1) << (top - shift)) - 1;
+    std::fill(hist.begin(), hist.end(), 0);
+    for (K key : keys)
+      if ((key & fixed) == prefix) ++hist[(key >> shift) & digits];
+    K d = digits;
+    for (; hist[d] < need; --d) need -= hist[d];
+    prefix |= d << shift;
+    fixed |= digits << shift;
   }
-  if (!have) {
-    cand.resize(static_cast<size_t>(n));
-    for (int64_t i = 0; i < n; ++i) cand[i] = static_cast<int32_t>(i);
-  }
-  // Exact k-th among candidates under (key descending, index ascending).
-  std::vector<std::pair<K, int32_t>> ranked(cand.size());
-  for (size_t j = 0; j < cand.size(); ++j) ranked[j] = {key_at(x, cand[j]), cand[j]};
-  auto before = [](const std::pair<K, int32_t>& a, const std::pair<K, int32_t>& b) {
-    return a.first != b.first ? a.first > b.first : a.second < b.second;
-  };
-  std::nth_element(ranked.begin(), ranked.begin() + (k - 1), ranked.end(), before);
-  const auto kth = ranked[k - 1];
+  // prefix is the k-th key: every key above it is taken, and of the keys equal to it the
+  // `need` of lowest index.
   int64_t w = 0;
-  for (int32_t i : cand) {  // candidates are in index order, so the output is too
-    const K key = key_at(x, i);
-    if (key > kth.first || (key == kth.first && i <= kth.second)) idx[w++] = i;
+  for (size_t j = 0; j < keys.size(); ++j)
+    if (keys[j] > prefix || (keys[j] == prefix && need-- > 0)) idx[w++] = cand[j];
+}
+
+// Writes the indices of the top k (ascending) of x, or with e given, of e = x + e, which it
+// writes. 0 < k < n.
+template <class T>
+void select(const T* x, T* e, int64_t n, int64_t k, int32_t* idx) {
+  using K = decltype(key_of(to_acc(x[0])));
+  auto key_at = [&](int64_t i) { return key_of(to_acc(e ? sum_of(x, e, i) : x[i])); };
+  // The threshold is the lower edge of the bin where a histogram of (a strided sample of) the
+  // keys reaches the wanted count from the top: a histogram costs one add per key, where
+  // selecting the wanted key of the sample (nth_element) cost several compares per key, which
+  // dominated this kernel on tensors under a few million elements.
+  const int64_t m = std::min<int64_t>(n, 65536);
+  const int64_t stride = n / m;
+  std::vector<uint32_t> hist(size_t(1) << kBinBits, 0);
+  for (int64_t j = 0; j < m; ++j) ++hist[key_at(j * stride) >> bin_shift<K>()];
+  // With the whole tensor in the histogram the counts are exact, so k is enough; a sample aims
+  // a little above k so one pass usually suffices, and widens if it was unlucky. Only the first
+  // pass accumulates e; a widened one reads the e it left.
+  std::vector<int32_t> cand;
+  int64_t bin = static_cast<int64_t>(hist.size());
+  int64_t above = 0;  // sample keys in bins >= bin
+  const T* from = x;
+  for (double want = m == n ? double(k) : 1.25 * k + 64;; want *= 4) {
+    const double r = want * m / n;
+    while (bin > 0 && above < r) above += hist[--bin];
+    cand.clear();
+    cand.reserve(static_cast<size_t>(std::min<double>(n, want * 1.5)));
+    collect(from, from == x ? e : nullptr, n, static_cast<K>(bin) << bin_shift<K>(), cand);
+    if (e) from = e;
+    if (static_cast<int64_t>(cand.size()) >= k || bin == 0) break;
   }
+  std::vector<K> keys(cand.size());
+  for (size_t j = 0; j < cand.size(); ++j) keys[j] = key_of(to_acc(from[cand[j]]));
+  exact_top(keys, cand, k, hist, idx);
 }
 
 struct Layout {
@@ -137,24 +186,39 @@ void scatter(const void* payload, int64_t n, int64_t k, double alpha, O* out) {
 
 int64_t payload_bytes(DType d, int64_t k) { return kHeader + index_bytes(k) + k * dtype_size(d); }
 
-void encode(DType d, const void* x, int64_t n, const Params& p, void* payload) {
+namespace {
+// The payload of x's top k; with e given, of e = x + e, which it writes (see ef_encode).
+void encode_top(DType d, const void* x, void* e, int64_t n, const Params& p, void* payload) {
   const int64_t k = p.k;
   Layout L = layout(payload, k);
   L.head[0] = payload_tag(kTopK, d);
   L.head[1] = static_cast<uint32_t>(k);
   if (k % 2) L.idx[k] = 0;  // padding to 8 bytes: payloads are deterministic bytes
-  if (k == 0) return;
   dispatch_dtype(d, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     const T* xs = static_cast<const T*>(x);
-    if (k == n) {
-      for (int64_t i = 0; i < n; ++i) L.idx[i] = static_cast<int32_t>(i);
+    T* es = static_cast<T*>(e);
+    if (k == 0 || k == n) {
+      if (es)
+        for (int64_t i = 0; i < n; ++i) es[i] = sum_of(xs, es, i);
+      for (int64_t i = 0; i < k; ++i) L.idx[i] = static_cast<int32_t>(i);
     } else {
-      select(xs, n, k, L.idx);
+      select(xs, es, n, k, L.idx);
     }
+    const T* from = es ? es : xs;
     T* vals = reinterpret_cast<T*>(L.values);
-    for (int64_t j = 0; j < k; ++j) vals[j] = xs[L.idx[j]];
+    for (int64_t j = 0; j < k; ++j) vals[j] = from[L.idx[j]];
   });
+}
+}  // namespace
+
+void encode(DType d, const void* x, int64_t n, const Params& p, void* payload) {
+  encode_top(d, x, nullptr, n, p, payload);
+}
+
+void ef_accumulate_encode(DType d, const void* x, void* e, int64_t n, const Params& p,
+                          void* payload) {
+  encode_top(d, x, e, n, p, payload);
 }
 
 void decode(DType d, const void* payload, int64_t n, const Params& p, void* out, double alpha,

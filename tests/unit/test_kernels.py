@@ -189,6 +189,46 @@ def test_topk_selection_large(n, k):
     assert payload_bytes(payload) == ref.encode("topk", t2n(x), "float32", k=k)
 
 
+@pytest.mark.parametrize("dtype", ["float64", "float16", "bfloat16"])
+def test_topk_selection_large_other_dtypes(dtype):
+    """The sampled threshold bins keys by their top bits, which sit differently per dtype."""
+    x = random_grad(200003, dtype, seed=7)
+    payload = encode("topk", x, params(k=2000))
+    assert payload_bytes(payload) == ref.encode("topk", t2n(x), dtype, k=2000)
+
+
+def test_topk_sample_that_overrates_the_tail_widens():
+    """Every sampled element large, the rest tiny: the first threshold lets through fewer than
+    k, so the selection must lower it and still return the exact top k."""
+    n, k = 200003, 3000
+    x = random_grad(n, "float32", seed=3) * 1e-3
+    stride = n // 65536
+    x[::stride][:65536] = torch.arange(1, 65537, dtype=torch.float32)
+    payload = encode("topk", x, params(k=k))
+    assert payload_bytes(payload) == ref.encode("topk", t2n(x), "float32", k=k)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "bfloat16"])
+@pytest.mark.parametrize("tail", ["random", "overrated"])
+def test_topk_error_feedback_on_a_sampled_tensor(dtype, tail):
+    """Top-k's error feedback adds the residual and collects candidates in one pass, from a
+    sample of the sums; when that sample overrates the tail, the second pass reads the sums
+    the first one wrote. Both must equal accumulating first and selecting after."""
+    n, k = 200003, 3000
+    p = params(k=k)
+    e = random_grad(n, dtype, seed=1) * 0.1
+    e_ref = t2n(e)
+    for step in range(2):
+        x = random_grad(n, dtype, seed=10 + step) * 1e-3
+        if tail == "overrated":
+            x[::n // 65536][:65536] = torch.arange(1, 65537, dtype=torch.float64).to(x.dtype)
+        payload = _C.new_payload(ID["topk"], x, p)
+        _C.ef_encode(ID["topk"], x, e, torch.zeros(0), p, payload)
+        want, e_ref = ref.ef_encode("topk", t2n(x), e_ref, dtype, k=k)
+        assert payload_bytes(payload) == want
+        assert same_bits(t2n(e), e_ref)
+
+
 def test_topk_ties_take_lowest_indices():
     x = torch.ones(100000)
     x[5] = 3.0
