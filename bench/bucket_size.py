@@ -8,7 +8,8 @@ the optimizers' default by measurement.
 Each (repeat, size) is one `bench/network.py` run (root, namespaces, the same rows and link),
 with our rows at that `bucket_mb` (0: each gradient alone) and Horovod's rows as the baseline
 of that run; a run's files are kept under --work as r<repeat>b<size>, and a run whose files are
-there is not run again, so a sweep cut short goes on where it stopped. The table is the median
+there is not run again, so a sweep cut short goes on where it stopped (a run made with other
+--steps, rates or rows is refused rather than mixed in). The table is the median
 over the repeats of ms per step of rank 0, per codec, size and rate; "geomean" is the geometric
 mean over the codecs, relative to each gradient alone (below 1: the buckets are faster).
 """
@@ -31,6 +32,26 @@ def run_dir(work, repeat, size):
     return os.path.join(work, f"r{repeat}b{size:g}")
 
 
+def check_reused(out, got, args, size):
+    """A run made with other settings would enter the medians unnoticed: refuse it."""
+    made = got.get("settings", {})
+    wrong = []
+    if made.get("steps") != args.steps:
+        wrong.append(f"--steps {made.get('steps')} (this sweep: {args.steps})")
+    if made.get("bucket_mb") != size:
+        wrong.append(f"bucket_mb {made.get('bucket_mb')} (this sweep: {size:g})")
+    rates = [r for r in args.rates.split(",") if r not in made.get("rates", [])]
+    if rates:
+        wrong.append(f"no rate {', '.join(rates)}")
+    labels = {r["row"] for r in got["rows"]}
+    words = [w for w in args.select.split(",") if not any(w in label for label in labels)]
+    if words:
+        wrong.append(f"no row for --select {', '.join(words)}")
+    if wrong:
+        sys.exit(f"{out} holds a run made with other settings: {'; '.join(wrong)}. Pass another "
+                 f"--work, or delete that folder to run it again")
+
+
 def sweep(args, sizes):
     """{(rate, row, size): [ms per step, one per repeat]}, running what --work lacks."""
     runs = {}
@@ -47,6 +68,7 @@ def sweep(args, sizes):
                                 out], check=True, stdin=subprocess.DEVNULL)
             with open(path) as f:
                 got = json.load(f)
+            check_reused(out, got, args, size)
             for r in got["rows"]:
                 runs.setdefault((r["rate"], r["row"], size), []).append(r["ms_per_step"])
     return runs

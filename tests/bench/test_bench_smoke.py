@@ -172,15 +172,37 @@ def test_bucket_size_collates_the_runs_it_finds(tmp_path):
                      "ms_per_step": ms[repeat - 1]}
                     for (row, s), ms in times.items() if s == size]
             name = "network_resnet50" + ("_buckets4mb" if size else "")
-            (folder / f"{name}.json").write_text(json.dumps({"settings": {}, "rows": rows}))
-    run("bucket_size.py", "--sizes", "0,4", "--rates", "1gbit", "--repeats", "2", "--work",
-        str(tmp_path / "work"), "--out", str(tmp_path))
+            settings = {"steps": 8, "bucket_mb": size, "rates": ["1gbit"]}
+            (folder / f"{name}.json").write_text(json.dumps({"settings": settings,
+                                                             "rows": rows}))
+    run("bucket_size.py", "--sizes", "0,4", "--rates", "1gbit", "--repeats", "2", "--select",
+        "onebit,topk", "--work", str(tmp_path / "work"), "--out", str(tmp_path))
     data, _ = outputs(tmp_path, "bucket_size_resnet50")
     got = {(r["row"], r["bucket_mb"]): r["ms_per_step"] for r in data["rows"]}
     assert got[("onebit", 0)] == 110 and got[("topk 1%", 4)] == 180
     assert got[("horovod, no compression", 4)] == 500
     assert abs(got[("geomean of ours / alone", 4)] - (121 / 110 * 180 / 200) ** 0.5) < 1e-12
     assert got[("geomean of ours / alone", 0)] == 1
+
+
+@pytest.mark.parametrize("ask,says", [(["--steps", "3"], "--steps 8 (this sweep: 3)"),
+                                      (["--rates", "1gbit,10gbit"], "no rate 10gbit"),
+                                      (["--select", "onebit,dgc"], "no row for --select dgc")])
+def test_bucket_size_refuses_a_run_made_with_other_settings(tmp_path, ask, says):
+    folder = tmp_path / "work" / "r1b0"
+    folder.mkdir(parents=True)
+    rows = [{"rate": "1gbit", "row": "onebit", "spec": "", "bytes_per_step": 1,
+             "ms_per_step": 100}]
+    (folder / "network_resnet50.json").write_text(json.dumps(
+        {"settings": {"steps": 8, "bucket_mb": 0, "rates": ["1gbit"]}, "rows": rows}))
+    args = {"--sizes": "0", "--rates": "1gbit", "--repeats": "1", "--select": "onebit",
+            "--steps": "8", "--work": str(tmp_path / "work"), "--out": str(tmp_path)}
+    args.update(zip(ask[::2], ask[1::2]))
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bucket_size.py"),
+                           *[x for kv in args.items() for x in kv]],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode != 0
+    assert f"{folder} holds a run made with other settings" in proc.stderr and says in proc.stderr
 
 
 def test_cost_model_recovers_a_known_fit(tmp_path):
