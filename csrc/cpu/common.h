@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 #include "hvdc/element.h"
 #include "hvdc/kernels.h"
@@ -88,6 +89,10 @@ void encode(DType d, const void* x, int64_t n, const Params& p, void* payload);
 // e = x + e, then encode(e): in one pass over memory where the generic path takes two.
 void ef_accumulate_encode(DType d, const void* x, void* e, int64_t n, const Params& p,
                           void* payload);
+// Appends the i with key_of(x[i]) >= t to out, ascending; with e given, the i with
+// key_of(e[i]) >= t over e = x + e as it writes it. AVX2 where the CPU has it (DGC's candidate
+// pass uses it too).
+void collect_at_least(const float* x, float* e, int64_t n, uint32_t t, std::vector<int32_t>& out);
 void decode(DType d, const void* payload, int64_t n, const Params& p, void* out, double alpha,
             bool acc);
 void aggregate(DType d, const void* payloads, int64_t ranks, int64_t stride, int64_t n,

@@ -93,8 +93,12 @@ std::vector<int32_t> dgc_select(const A* v, int64_t n, int64_t k) {
     placed = at + 1;
     const K thr = sample[at];
     cand.clear();
-    for (int64_t i = 0; i < n; ++i)
-      if (key_of(v[i]) >= thr) cand.push_back(static_cast<int32_t>(i));
+    if constexpr (std::is_same_v<A, float>) {
+      topk::collect_at_least(v, nullptr, n, thr, cand);
+    } else {
+      for (int64_t i = 0; i < n; ++i)
+        if (key_of(v[i]) >= thr) cand.push_back(static_cast<int32_t>(i));
+    }
     if (static_cast<int64_t>(cand.size()) * 5 >= k * 4 || r >= m) break;
     r *= 2;
   }

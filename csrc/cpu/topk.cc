@@ -65,10 +65,7 @@ template <class T> T sum_of(const T* x, const T* e, int64_t i) {
 // the candidate pass in one sweep of memory).
 template <class T, class K>
 void collect(const T* x, T* e, int64_t n, K t, std::vector<int32_t>& out) {
-  if constexpr (std::is_same_v<T, float>) {
-    if (cpu_has_avx2_f16c() && t > 0)
-      return e ? collect_f32_avx2<true>(x, e, n, t, out) : collect_f32_avx2<false>(x, e, n, t, out);
-  }
+  if constexpr (std::is_same_v<T, float>) return collect_at_least(x, e, n, t, out);
   for (int64_t i = 0; i < n; ++i) {
     const T v = e ? (e[i] = sum_of(x, e, i)) : x[i];
     if (key_of(to_acc(v)) >= t) out.push_back(static_cast<int32_t>(i));
@@ -185,6 +182,16 @@ void scatter(const void* payload, int64_t n, int64_t k, double alpha, O* out) {
 }  // namespace
 
 int64_t payload_bytes(DType d, int64_t k) { return kHeader + index_bytes(k) + k * dtype_size(d); }
+
+void collect_at_least(const float* x, float* e, int64_t n, uint32_t t,
+                      std::vector<int32_t>& out) {
+  if (cpu_has_avx2_f16c() && t > 0)
+    return e ? collect_f32_avx2<true>(x, e, n, t, out) : collect_f32_avx2<false>(x, e, n, t, out);
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = e ? (e[i] = x[i] + e[i]) : x[i];
+    if (key_of(v) >= t) out.push_back(static_cast<int32_t>(i));
+  }
+}
 
 namespace {
 // The payload of x's top k; with e given, of e = x + e, which it writes (see ef_encode).
