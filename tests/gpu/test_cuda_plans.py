@@ -82,6 +82,21 @@ def run(spec: str, world: int, device: torch.device, steps: int = 3, dtype: str 
     return reduced, [s.state_dict() for s in stores], strategy
 
 
+def assert_cuda_equals_cpu(spec: str, world: int, **kw) -> None:
+    """run() on the GPU and on the CPU: every rank's result each step, bit for bit, and the
+    state each rank ends with."""
+    got, got_state, strategy = run(spec, world, DEV, **kw)
+    want, want_state, _ = run(spec, world, torch.device("cpu"), **kw)
+    for step, (g, w) in enumerate(zip(got, want)):
+        for r in range(world):
+            assert device_bits(g[r]) == device_bits(w[r]), f"{strategy}: rank {r} step {step}"
+    for r in range(world):
+        assert got_state[r]["steps"] == want_state[r]["steps"]
+        for kind, arr in want_state[r]["slots"]["w"].items():
+            other = got_state[r]["slots"]["w"][kind]
+            assert np.array_equal(other, arr, equal_nan=True), f"{strategy}: rank {r} {kind}"
+
+
 CASES = [(codec, collective) for codec, collective in codec_strategies() if codec != "powersgd"]
 
 
@@ -94,16 +109,7 @@ def test_plans_on_cuda_equal_cpu(codec, collective, world):
         spec += ",ef=vanilla,momentum=nesterov,mu=0.9"
     if collective:
         spec += f",collective={collective}"
-    got, got_state, strategy = run(spec, world, DEV)
-    want, want_state, _ = run(spec, world, torch.device("cpu"))
-    for step, (g, w) in enumerate(zip(got, want)):
-        for r in range(world):
-            assert device_bits(g[r]) == device_bits(w[r]), f"{strategy}: rank {r} step {step}"
-    for r in range(world):
-        assert got_state[r]["steps"] == want_state[r]["steps"]
-        for kind, arr in want_state[r]["slots"]["w"].items():
-            other = got_state[r]["slots"]["w"][kind]
-            assert np.array_equal(other, arr, equal_nan=True), f"{strategy}: rank {r} {kind}"
+    assert_cuda_equals_cpu(spec, world)
 
 
 # Odd member sizes, so that under granularity=tensor the members' payloads, back to back in one
@@ -117,12 +123,4 @@ BUCKET_SPECS = ["topk,k=0.01,ef=vanilla,granularity=tensor", "topk,k=5,ef=vanill
 @pytest.mark.parametrize("spec", BUCKET_SPECS)
 def test_bucket_plans_on_cuda_equal_cpu(spec, dtype):
     """A bucket as the optimizer sends it: per member or over the whole bucket."""
-    got, got_state, strategy = run(spec, 2, DEV, dtype=dtype, members=MEMBERS)
-    want, want_state, _ = run(spec, 2, torch.device("cpu"), dtype=dtype, members=MEMBERS)
-    for step, (g, w) in enumerate(zip(got, want)):
-        for r in range(2):
-            assert device_bits(g[r]) == device_bits(w[r]), f"{strategy}: rank {r} step {step}"
-    for r in range(2):
-        for kind, arr in want_state[r]["slots"]["w"].items():
-            other = got_state[r]["slots"]["w"][kind]
-            assert np.array_equal(other, arr, equal_nan=True), f"{strategy}: rank {r} {kind}"
+    assert_cuda_equals_cpu(spec, 2, dtype=dtype, members=MEMBERS)
