@@ -12,6 +12,7 @@ error feedback, from the same seeds; final test accuracy and the training-loss c
                                             # SGD momentum 0.9, each spec as the optimizer's
                                             # warning advises (spec.momentum_fix)
     python bench/convergence.py --seeds 3   # each run from 3 seeds: mean, min and max
+    python bench/convergence.py --select dgc,topk   # those codecs' rows and uncompressed
 
 Every run: 1437 training and 360 test images (stratified split, seed 0), global batch 64 split
 between the ranks, plain SGD with lr 0.1 (dgc adds its own momentum correction), all tensors
@@ -146,6 +147,14 @@ def runs(collective, ef_only):
              with_collective(ef, collective)) for codec, plain, ef in RUNS]
 
 
+def selected(table, select):
+    """The rows whose codec contains one of select's comma-separated words, and uncompressed."""
+    if not select:
+        return table
+    words = select.split(",")
+    return [r for r in table if r[0] == "none" or any(w in r[0] for w in words)]
+
+
 def over_seeds(got):
     """{spec: one run, or the mean of its seeds' runs with the lowest and highest accuracy}."""
     runs_of = {}
@@ -165,7 +174,7 @@ def report(got, settings, out_dir, name="convergence"):
     by_spec = over_seeds(got)
     base = round(by_spec["none"]["test_accuracy"], 2)
     rows, lines = [], []
-    table = runs(settings["collective"], settings["ef_only"])
+    table = selected(runs(settings["collective"], settings["ef_only"]), settings.get("select"))
     for codec, plain, ef in table:
         row = {"codec": codec}
         for kind, spec in (("no_ef", plain), ("ef", ef)):
@@ -233,6 +242,9 @@ def main():
                     help="run each spec as the optimizer's momentum warning advises")
     ap.add_argument("--seeds", type=int, default=1,
                     help="train each spec from this many seeds and report their mean")
+    ap.add_argument("--select", default=None,
+                    help="comma-separated words: only the codecs whose row contains one, beside "
+                    "uncompressed (files named after the words)")
     ap.add_argument("--out", default=results.DEFAULT_OUT)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--specs", help=argparse.SUPPRESS)
@@ -243,7 +255,10 @@ def main():
     if args.seeds < 1:
         sys.exit(f"--seeds must be at least 1, got {args.seeds}")
     epochs = args.epochs or (15 if args.quick else 40)
-    table = runs(args.collective, args.ef_only)
+    table = selected(runs(args.collective, args.ef_only), args.select)
+    if len(table) == 1:
+        sys.exit(f"--select {args.select} matches no codec; the rows: "
+                 f"{', '.join(r[0] for r in runs(args.collective, args.ef_only))}")
     specs = [s for run in table for s in run[1:] if s]
     horovodrun = os.path.join(os.path.dirname(sys.executable), "horovodrun")
     with tempfile.TemporaryDirectory() as tmp:
@@ -260,7 +275,8 @@ def main():
                 "momentum": args.momentum, "model": MODELS[args.model],
                 "bucket_mb": args.bucket_mb,
                 "data": "sklearn digits, 80/20", "collective": args.collective,
-                "ef_only": args.ef_only, "advised": args.advised, "seeds": args.seeds}
+                "ef_only": args.ef_only, "advised": args.advised, "seeds": args.seeds,
+                "select": args.select}
     name = "convergence"
     if (args.ranks, args.collective) != (2, "auto"):
         name += f"_{args.ranks}ranks_{args.collective}"
@@ -272,6 +288,8 @@ def main():
         name += f"_momentum{args.momentum:g}" + "_advised" * args.advised
     if args.seeds > 1:
         name += f"_seeds{args.seeds}"
+    if args.select:
+        name += "_" + "_".join(args.select.split(","))
     report(got, settings, args.out, name)
 
 

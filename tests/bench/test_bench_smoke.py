@@ -61,6 +61,16 @@ def test_convergence_quick(tmp_path):
     assert "EF within 1 point" in proc.stdout
 
 
+def test_convergence_select_runs_those_codecs_beside_uncompressed(tmp_path):
+    run("convergence.py", "--epochs", "1", "--seeds", "2", "--ef-only", "--select", "dgc,topk",
+        "--out", str(tmp_path))
+    data, rows = outputs(tmp_path, "convergence_seeds2_dgc_topk")
+    assert [r["codec"] for r in rows] == ["none", "topk 1%", "dgc 1%"]
+    assert data["settings"]["select"] == "dgc,topk"
+    with open(tmp_path / "convergence_seeds2_dgc_topk_curves.json") as f:
+        assert sorted(json.load(f)) == ["dgc,k=0.01", "none", "topk,k=0.01,ef=vanilla"]
+
+
 def test_scaling_quick(tmp_path):
     import scaling
     proc = run("scaling.py", "--quick", "--ranks", "2,3", "--steps", "1", "--out", str(tmp_path))
