@@ -73,9 +73,8 @@ class CodecInfo:
     non-finite element not drawn would vanish from the step unseen: its payload (values in the
     gradient's dtype) gets a NaN first value when the input holds one, and the sum of payloads
     is NaN on every rank. Codecs that select by value send NaN and inf themselves.
-    selects: the codec keeps chosen elements of the tensor it is given (the k largest, those
-    above a threshold): in a gradient bucket the choice spans the bucket or each member
-    (the spec's `granularity`).
+    elementwise: each element is encoded from its own value alone (a cast), so a bucket gives
+    the per-tensor result whatever its granularity.
     """
 
     name: str
@@ -106,7 +105,7 @@ class CodecInfo:
     homomorphic_levels: Callable[[dict], int | None] | None = None  # of the kernel fields
     rounds: int = 1
     samples: bool = False
-    selects: bool = False
+    elementwise: bool = False  # each output element from its own input element alone (a cast)
 
     def __post_init__(self):
         if not self.strategies:  # the codec's own collective, and for non-linear codecs the
@@ -114,6 +113,14 @@ class CodecInfo:
             default = (("allreduce",) if self.linear
                        else ("allgather", "compressed_allreduce"))
             object.__setattr__(self, "strategies", default)
+
+    @property
+    def per_member(self) -> bool:
+        """Whether encoding a bucket whole or member by member changes its result (the spec's
+        granularity): for every codec that travels by allgather and does more than cast each
+        element. It selects (top-k, DGC), takes a scale or norm over what it is given (the sign
+        codecs, the quantisers) or draws from seeds of the tensor's name."""
+        return not self.linear and self.rounds == 1 and not self.elementwise
 
     def payload_bytes(self, itemsize: int, n: int, fields: dict) -> int:
         """Bytes of one payload for n elements with these kernel fields, as the kernels'
@@ -238,7 +245,7 @@ register(CodecInfo(
 register(CodecInfo(
     name="bf16", kernel_id=2, collective="allgather", aggregation="mean", params=(),
     wire="bfloat16[n]", doc="cast to bfloat16, round to nearest even",
-    bits_per_element=lambda isz: 16.0,
+    bits_per_element=lambda isz: 16.0, elementwise=True,
     collective_note="linear, but Horovod 0.28.1 has no bfloat16 reduction: payloads are "
                     "decoded and summed in float32 by our kernels"))
 register(CodecInfo(
@@ -261,7 +268,7 @@ register(CodecInfo(
     name="topk", kernel_id=6, collective="allgather", aggregation="mean", params=(K_PARAM,),
     wire="[u32 tag][u32 k][i32 indices, ascending][k values, gradient dtype]",
     doc="the k largest magnitudes (ties: lower index first), fixed k per tensor",
-    bits_per_element=lambda isz: 32 + 8 * isz, selects=True))
+    bits_per_element=lambda isz: 32 + 8 * isz))
 register(CodecInfo(
     name="randomk", kernel_id=7, collective="allreduce", aggregation="mean",
     params=(K_PARAM, Param("rescale", bool, False, "true or false",
@@ -338,7 +345,7 @@ register(CodecInfo(
          "varies by rank and step",
     doc="every element above a fixed magnitude; payloads of any size, never empty (a header "
         "always travels)",
-    bits_per_element=lambda isz: 32 + 8 * isz, variable_size=True, selects=True,
+    bits_per_element=lambda isz: 32 + 8 * isz, variable_size=True,
     collective_note="variable-size payloads gathered back to back"))
 register(CodecInfo(
     name="dgc", kernel_id=12, collective="allgather", aggregation="mean",
@@ -357,7 +364,7 @@ register(CodecInfo(
         "warm-up; weights only (dim > 1)",
     bits_per_element=lambda isz: 32 + 8 * isz, builtin_ef=True,
     state_slots=("dgc_velocity", "dgc_accumulator"), min_dim=2, replaces_momentum=True,
-    server_codec="topk", selects=True,
+    server_codec="topk",
     rejects=(("momentum=nesterov", "DGC corrects momentum itself (momentum_factor); a second, "
               "worker-side momentum would apply it twice"),)))
 

@@ -278,10 +278,14 @@ def parse_spec(spec: Any) -> CompressionConfig:
         raise ValueError(f"granularity={granularity!r} is not valid; valid: "
                          f"{', '.join(GRANULARITY_CHOICES)}")
     if granularity != "bucket":
-        if not info.selects:
-            valid = [c.name for c in codecs() if c.selects]
-            raise ValueError(f"granularity is what a selecting codec chooses among in a bucket; "
-                             f"{info.name} selects nothing: valid for {', '.join(valid)}")
+        if not info.per_member:
+            valid = [c.name for c in codecs() if c.per_member]
+            why = ("encodes each element on its own, the same either way" if info.elementwise
+                   else "batches its matrices itself" if info.rounds != 1
+                   else "travels by allreduce")
+            raise ValueError(f"granularity=tensor encodes each member of a bucket as if it "
+                             f"travelled alone, in one allgather; {info.name} {why}: valid for "
+                             f"{', '.join(valid)}")
         if collective not in ("auto", "allgather"):
             raise ValueError(f"granularity={granularity} sends a bucket's members as one "
                              f"allgather: collective={collective} is not valid with it; valid: "

@@ -15,10 +15,12 @@ BUCKET_MB = 2000 * 4 / 2 ** 20
 
 
 # granularity=tensor: three matrices (DGC compresses weights only) in one bucket, with top-k's
-# k as a fraction, as a count per tensor, and DGC's.
+# k as a fraction, as a count per tensor, and DGC's; the sign codecs' scale per member (their
+# error feedback's lazy scale, one per member), and the quantisers' norms and seeds per member.
 GRANULAR_SHAPES = {"a": (30, 20), "b": (10, 50), "c": (64, 8)}
 GRANULAR_SPECS = ["topk,k=0.05,ef=vanilla", "topk,k=7,ef=vanilla,momentum=nesterov",
-                  "dgc,k=0.05", "dgc,k=0.05,warmup_steps=2"]
+                  "dgc,k=0.05", "dgc,k=0.05,warmup_steps=2", "onebit,ef=vanilla", "efsignsgd",
+                  "dithering,ef=vanilla"]
 
 
 def granular_grads(step, world):

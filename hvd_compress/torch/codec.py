@@ -97,7 +97,7 @@ class TorchCodec:
 
     def view(self, name: str, members: list) -> None:
         """Job `name` is a bucket of `members`: its elementwise state is theirs (_bucket_state),
-        its lazy residual scales settled into them by finish()."""
+        its lazy residual scales settled into them as each part is encoded (encode_part)."""
         self._views[name] = members
         self._gathered[name] = {}
 
@@ -142,9 +142,6 @@ class TorchCodec:
         size = self.info.ef_carry
         if not size:
             return _NO_CARRY
-        if name in self._views:  # settled into the members' residuals at the end of the step
-            return self._gathered[name].setdefault(
-                carry_kind(parts), torch.zeros(size * parts, device=like.device))
         return self._slot(name, carry_kind(parts), torch.zeros(size * parts, device=like.device))
 
     def settle(self) -> None:
@@ -199,21 +196,10 @@ class TorchCodec:
             held = self._buffers[name, kind] = (buffer, views)
         return held[0]
 
-    def _settle_bucket(self, name: str) -> None:
-        """A bucket's lazy residual scales settled into its members' residuals: they belong to
-        the bucket's encoding, not to any member."""
-        if self._views.pop(name, None) is None:
-            return
-        gathered = self._gathered.pop(name)
-        e = gathered.get("ef")
-        size = self.info.ef_carry
-        for kind, carry in gathered.items():
-            parts = carry_parts(kind)
-            if parts and e is not None:
-                bounds = chunk_bounds(e.numel(), parts)
-                for j in range(parts):
-                    _C.ef_settle(self.info.kernel_id, e[bounds[j]:bounds[j + 1]],
-                                 carry[j * size:(j + 1) * size])
+    def _end_bucket(self, name: str) -> None:
+        """The bucket's view of its members' state, dropped at the end of its step."""
+        if self._views.pop(name, None) is not None:
+            self._gathered.pop(name)
 
     def decode(self, reduced: torch.Tensor, enc: Encoded, alpha: float,
                out: torch.Tensor | None = None) -> torch.Tensor:
@@ -293,6 +279,15 @@ class TorchCodec:
             slots = [self._slot(name, s, grad).view(-1)[part.start:part.stop]
                      for s in info.state_slots]
             _C.encode_with_state(info.kernel_id, x, slots, kp, payload)
+        elif state == "worker" and cfg.ef == "vanilla" and (job.members or name in self._views):
+            # A bucket's lazy scales belong to this step's encoding of it, not to any member:
+            # each part's is settled into the residual at once, whatever the parts (whole,
+            # chunks, or its members under granularity=tensor).
+            e = self._slot(name, "ef", grad).view(-1)[part.start:part.stop]
+            carry = torch.zeros(info.ef_carry, device=x.device) if info.ef_carry else _NO_CARRY
+            _C.ef_encode(info.kernel_id, x, e, carry, kp, payload)
+            if info.ef_carry:
+                _C.ef_settle(info.kernel_id, e, carry)
         elif state == "worker" and cfg.ef == "vanilla":
             e = self._slot(name, "ef", grad).view(-1)[part.start:part.stop]
             carry = self._carry(name, grad, job.world if chunked else 1)
@@ -425,7 +420,7 @@ class TorchCodec:
             out = torch.cat(pieces)
         if out.data_ptr() != grad.data_ptr() or not grad.is_contiguous():
             grad.copy_(out.view(grad.shape))
-        self._settle_bucket(job.name)
+        self._end_bucket(job.name)
         return grad
 
 

@@ -116,7 +116,8 @@ def test_plans_on_cuda_equal_cpu(codec, collective, world):
 # allgather, start off the alignment of their values (half-precision values: off 4 bytes too).
 MEMBERS = (("a", 1001), ("b", 999), ("c", 37))
 BUCKET_SPECS = ["topk,k=0.01,ef=vanilla,granularity=tensor", "topk,k=5,ef=vanilla,granularity=tensor",
-                "dgc,k=0.05,granularity=tensor", "topk,k=0.01,ef=vanilla", "onebit,ef=vanilla"]
+                "dgc,k=0.05,granularity=tensor", "topk,k=0.01,ef=vanilla", "onebit,ef=vanilla",
+                "onebit,ef=vanilla,granularity=tensor", "efsignsgd,granularity=tensor"]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])

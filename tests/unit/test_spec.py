@@ -73,8 +73,12 @@ def test_defaults_filled_and_canonical_round_trip():
                                         "feedback would"),
     ("onebit,bucket_mb=-2", "bucket_mb must be a number of MiB >= 0 (0: no buckets), got -2.0"),
     ("onebit,bucket_mb=big", "bucket_mb must be a number, got 'big'"),
-    ("onebit,granularity=tensor", "granularity is what a selecting codec chooses among in a "
-                                  "bucket; onebit selects nothing: valid for topk, threshold, dgc"),
+    ("fp16,granularity=tensor", "granularity=tensor encodes each member of a bucket as if it "
+                                "travelled alone, in one allgather; fp16 travels by allreduce: "
+                                "valid for onebit, signsgd, efsignsgd, topk, minmax8, dithering, "
+                                "qsgd, terngrad, natural, threshold, dgc"),
+    ("bf16,granularity=tensor", "bf16 encodes each element on its own, the same either way"),
+    ("powersgd,granularity=tensor", "powersgd batches its matrices itself"),
     ("topk,granularity=layer", "granularity='layer' is not valid; valid: bucket, tensor"),
     ("topk,granularity=tensor,collective=allreduce", "granularity=tensor sends a bucket's "
                                                      "members as one allgather: collective="),
