@@ -141,10 +141,25 @@ def with_collective(spec, collective):
     return f"{spec},collective={collective}"
 
 
-def runs(collective, ef_only):
+def with_granularity(spec, granularity):
+    """The spec with `granularity` where the codec takes one (it encodes a bucket's members
+    alone or the bucket whole), else as it is: the setting means nothing to it."""
+    if granularity == "bucket" or spec is None:
+        return spec
+    import hvd_compress
+    try:
+        hvd_compress.parse_spec(f"{spec},granularity={granularity}")
+    except ValueError:
+        return spec
+    return f"{spec},granularity={granularity}"
+
+
+def runs(collective, ef_only, granularity="bucket"):
+    def routed(spec):
+        return with_granularity(with_collective(spec, collective), granularity)
     return [("none", "none", None) if codec == "none" else
-            (codec, None if ef_only else with_collective(plain, collective),
-             with_collective(ef, collective)) for codec, plain, ef in RUNS]
+            (codec, None if ef_only else routed(plain), routed(ef))
+            for codec, plain, ef in RUNS]
 
 
 def selected(table, select):
@@ -174,7 +189,8 @@ def report(got, settings, out_dir, name="convergence"):
     by_spec = over_seeds(got)
     base = round(by_spec["none"]["test_accuracy"], 2)
     rows, lines = [], []
-    table = selected(runs(settings["collective"], settings["ef_only"]), settings.get("select"))
+    table = selected(runs(settings["collective"], settings["ef_only"],
+                          settings.get("granularity", "bucket")), settings.get("select"))
     for codec, plain, ef in table:
         row = {"codec": codec}
         for kind, spec in (("no_ef", plain), ("ef", ef)):
@@ -238,6 +254,9 @@ def main():
     ap.add_argument("--model", choices=list(MODELS), default="mlp")
     ap.add_argument("--bucket-mb", type=float, default=0,
                     help="the optimizer's bucket_mb (0: every tensor alone)")
+    ap.add_argument("--granularity", choices=["bucket", "tensor"], default="bucket",
+                    help="with --bucket-mb: the codecs that take one encode each member alone "
+                    "(tensor) or the bucket whole (bucket, the default)")
     ap.add_argument("--advised", action="store_true",
                     help="run each spec as the optimizer's momentum warning advises")
     ap.add_argument("--seeds", type=int, default=1,
@@ -255,7 +274,7 @@ def main():
     if args.seeds < 1:
         sys.exit(f"--seeds must be at least 1, got {args.seeds}")
     epochs = args.epochs or (15 if args.quick else 40)
-    table = selected(runs(args.collective, args.ef_only), args.select)
+    table = selected(runs(args.collective, args.ef_only, args.granularity), args.select)
     if len(table) == 1:
         sys.exit(f"--select {args.select} matches no codec; the rows: "
                  f"{', '.join(r[0] for r in runs(args.collective, args.ef_only))}")
@@ -276,7 +295,7 @@ def main():
                 "bucket_mb": args.bucket_mb,
                 "data": "sklearn digits, 80/20", "collective": args.collective,
                 "ef_only": args.ef_only, "advised": args.advised, "seeds": args.seeds,
-                "select": args.select}
+                "select": args.select, "granularity": args.granularity}
     name = "convergence"
     if (args.ranks, args.collective) != (2, "auto"):
         name += f"_{args.ranks}ranks_{args.collective}"
@@ -284,6 +303,8 @@ def main():
         name += f"_{args.model}"
     if args.bucket_mb:
         name += f"_buckets{args.bucket_mb:g}mb"
+    if args.granularity != "bucket":
+        name += f"_granularity_{args.granularity}"
     if args.momentum:
         name += f"_momentum{args.momentum:g}" + "_advised" * args.advised
     if args.seeds > 1:

@@ -71,6 +71,15 @@ def test_convergence_select_runs_those_codecs_beside_uncompressed(tmp_path):
         assert sorted(json.load(f)) == ["dgc,k=0.01", "none", "topk,k=0.01,ef=vanilla"]
 
 
+def test_convergence_granularity_reaches_the_codecs_that_take_it(tmp_path):
+    run("convergence.py", "--epochs", "1", "--ef-only", "--bucket-mb", "1", "--granularity",
+        "tensor", "--select", "onebit,fp16", "--out", str(tmp_path))
+    _, rows = outputs(tmp_path, "convergence_buckets1mb_granularity_tensor_onebit_fp16")
+    ran = {r["codec"]: r["ef_ran"] for r in rows}
+    assert ran["onebit"].endswith(",granularity=tensor")
+    assert "granularity" not in ran["fp16"]  # one cast per element: the same either way
+
+
 def test_scaling_quick(tmp_path):
     import scaling
     proc = run("scaling.py", "--quick", "--ranks", "2,3", "--steps", "1", "--out", str(tmp_path))
