@@ -7,6 +7,7 @@ localhost, ms per step for Horovod and for every codec through our optimizer.
     python bench/tensors.py --model resnet50     # ResNet-50's 161 gradients (bench/models.py)
     python bench/tensors.py --model transformer  # a BERT-base-sized encoder's 150
     python bench/tensors.py --bucket-mb 4   # and the many tensors again in 4 MiB buckets
+    python bench/tensors.py --bucket-mb 4 --granularity tensor   # each member encoded alone
 
 Real models have hundreds of tensors, most of them small: each compressed tensor is its own
 chain of kernel calls and its own collective, where Horovod fuses small allreduces into one.
@@ -67,6 +68,16 @@ def layout_shapes(opts, tensors):
     return model_shapes(opts["model"])
 
 
+def with_granularity(spec, granularity):
+    """The spec with `granularity` where its codec takes one, else as it is."""
+    import hvd_compress
+    try:
+        hvd_compress.parse_spec(f"{spec},granularity={granularity}")
+    except ValueError:
+        return spec
+    return f"{spec},granularity={granularity}"
+
+
 def worker(args):
     import warnings
 
@@ -88,6 +99,8 @@ def worker(args):
             comp = hvd.Compression.fp16 if spec == "fp16" else hvd.Compression.none
             opt = hvd.DistributedOptimizer(sgd, named, compression=comp)
         else:
+            if bucket_mb and opts.get("granularity", "bucket") != "bucket":
+                spec = with_granularity(spec, opts["granularity"])
             opt = hvdc.DistributedOptimizer(sgd, named, compression=spec, min_compress_bytes=0,
                                             bucket_mb=bucket_mb)
 
@@ -101,18 +114,19 @@ def worker(args):
         t0 = time.perf_counter()
         for _ in range(opts["steps"]):
             step()
-        return (time.perf_counter() - t0) / opts["steps"]
+        return (time.perf_counter() - t0) / opts["steps"], spec
 
     out = []
     for label, how, spec in json.loads(args.rows):
         for tensors, bucket_mb in opts["layouts"]:
             if bucket_mb and how != "ours":
                 continue
-            seconds = seconds_per_step(how, spec, tensors, bucket_mb)
+            seconds, ran = seconds_per_step(how, spec, tensors, bucket_mb)
             slowest = hvd.allreduce(torch.tensor([seconds]), op=hvd.Max, name="tensors.max")
             if hvd.rank() == 0:
-                out.append({"row": label, "spec": spec, "how": how, "tensors": tensors,
-                            "bucket_mb": bucket_mb, "ms_per_step": 1e3 * slowest.item()})
+                out.append({"row": label, "spec": spec, "ran": ran, "how": how,
+                            "tensors": tensors, "bucket_mb": bucket_mb,
+                            "ms_per_step": 1e3 * slowest.item()})
                 how_sent = f"in {bucket_mb:g} MiB buckets" if bucket_mb else ""
                 print(f"  {label:26s} {tensors:4d} tensors {how_sent:20s} "
                       f"{1e3 * slowest.item():9.1f} ms", flush=True)
@@ -132,6 +146,9 @@ def main():
     ap.add_argument("--steps", type=int, default=3, help="timed steps per row and layout")
     ap.add_argument("--bucket-mb", type=float, default=0,
                     help="also time the many tensors in buckets of this many MiB (our rows)")
+    ap.add_argument("--granularity", choices=["bucket", "tensor"], default="bucket",
+                    help="in those buckets, the codecs that take one encode each member alone "
+                         "(tensor) or the bucket whole (bucket, the default)")
     ap.add_argument("--select", default=None, help="comma-separated words; rows containing one")
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--out", default=results.DEFAULT_OUT)
@@ -153,7 +170,8 @@ def main():
         sizes = model_shapes(args.model)
         elements, many = sum(math.prod(s) for s in sizes), len(sizes)
     layouts = [(1, 0), (many, 0)] + ([(many, args.bucket_mb)] if args.bucket_mb else [])
-    opts = {"elements": elements, "layouts": layouts, "steps": args.steps, "model": args.model}
+    opts = {"elements": elements, "layouts": layouts, "steps": args.steps, "model": args.model,
+            "granularity": args.granularity}
     load = os.getloadavg()[0]
     horovodrun = os.path.join(os.path.dirname(sys.executable), "horovodrun")
     with tempfile.TemporaryDirectory() as tmp:
@@ -193,6 +211,8 @@ def main():
     settings = {**opts, "bucket_mb": args.bucket_mb, "ranks": 2, "threads_per_rank": 1, "min_compress_bytes": 0,
                 "cores": os.cpu_count(), "load_average_at_start": load}
     name = f"tensors_{args.model}" if args.model else "tensors"
+    if args.granularity != "bucket":
+        name += f"_granularity_{args.granularity}"
     results.write(args.out, name, settings, got)
 
     plt = results.pyplot()

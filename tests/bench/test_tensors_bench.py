@@ -57,3 +57,18 @@ def test_tensors_on_a_models_gradients(tmp_path):
         data = json.load(f)
     assert data["settings"]["elements"] == 25_557_032
     assert sorted({r["tensors"] for r in data["rows"]}) == [1, 161]
+
+
+def test_tensors_granularity_reaches_the_bucketed_rows(tmp_path):
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "tensors.py"),
+                           "--elements-m", "0.05", "--tensors", "12", "--steps", "1",
+                           "--select", "fp16,onebit", "--bucket-mb", "0.02", "--granularity",
+                           "tensor", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(tmp_path / "tensors_granularity_tensor.json") as f:
+        rows = json.load(f)["rows"]
+    ran = {(r["row"], r["bucket_mb"]): r["ran"] for r in rows if r["how"] == "ours"}
+    assert ran[("onebit", 0.02)] == "onebit,ef=vanilla,granularity=tensor"
+    assert ran[("onebit", 0)] == "onebit,ef=vanilla"  # without buckets: nothing to choose
+    assert ran[("fp16", 0.02)] == "fp16"  # a linear codec: the same either way
