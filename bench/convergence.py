@@ -133,12 +133,7 @@ def with_collective(spec, collective):
     """The spec routed by `collective`, or None where the codec cannot travel that way."""
     if collective == "auto" or spec is None:
         return spec
-    import hvd_compress
-    try:
-        hvd_compress.parse_spec(f"{spec},collective={collective}")
-    except ValueError:
-        return None
-    return f"{spec},collective={collective}"
+    return results.with_setting(spec, "collective", collective)
 
 
 def with_granularity(spec, granularity):
@@ -146,12 +141,7 @@ def with_granularity(spec, granularity):
     alone or the bucket whole), else as it is: the setting means nothing to it."""
     if granularity == "bucket" or spec is None:
         return spec
-    import hvd_compress
-    try:
-        hvd_compress.parse_spec(f"{spec},granularity={granularity}")
-    except ValueError:
-        return spec
-    return f"{spec},granularity={granularity}"
+    return results.with_setting(spec, "granularity", granularity) or spec
 
 
 def runs(collective, ef_only, granularity="bucket"):

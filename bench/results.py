@@ -43,3 +43,14 @@ def worker_arguments(ap, *hidden):
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     for name in hidden:
         ap.add_argument(name, help=argparse.SUPPRESS)
+
+
+def with_setting(spec, key, value):
+    """`spec` with `key=value` added, or None where the spec refuses it (the codec cannot
+    travel that way, or the setting means nothing to it)."""
+    import hvd_compress
+    try:
+        hvd_compress.parse_spec(f"{spec},{key}={value}")
+    except ValueError:
+        return None
+    return f"{spec},{key}={value}"

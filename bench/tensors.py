@@ -68,16 +68,6 @@ def layout_shapes(opts, tensors):
     return model_shapes(opts["model"])
 
 
-def with_granularity(spec, granularity):
-    """The spec with `granularity` where its codec takes one, else as it is."""
-    import hvd_compress
-    try:
-        hvd_compress.parse_spec(f"{spec},granularity={granularity}")
-    except ValueError:
-        return spec
-    return f"{spec},granularity={granularity}"
-
-
 def worker(args):
     import warnings
 
@@ -100,7 +90,7 @@ def worker(args):
             opt = hvd.DistributedOptimizer(sgd, named, compression=comp)
         else:
             if bucket_mb and opts.get("granularity", "bucket") != "bucket":
-                spec = with_granularity(spec, opts["granularity"])
+                spec = results.with_setting(spec, "granularity", opts["granularity"]) or spec
             opt = hvdc.DistributedOptimizer(sgd, named, compression=spec, min_compress_bytes=0,
                                             bucket_mb=bucket_mb)
 
