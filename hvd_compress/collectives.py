@@ -296,8 +296,9 @@ def whole(job: Job) -> Part:
 
 def selections(job: Job) -> list[Part]:
     """The parts the allgather strategy encodes a gradient in: the whole of it, or under
-    granularity=tensor each member of a bucket as if it travelled alone (its own k, its own
-    selection, seeds of its own name), their payloads back to back in one collective.
+    granularity=tensor each member of a bucket as if it travelled alone (its own k and
+    selection, its own scale or norm, seeds of its own name), their payloads back to back in
+    one collective.
     Threshold selects element by element, so it is the same either way: it stays whole."""
     if not _per_member(job):
         return [whole(job)]

@@ -20,8 +20,8 @@ EF_CHOICES = ("none", "vanilla")
 # family (Horovod's allreduce for linear codecs, else the compressed or homomorphic allreduce).
 COLLECTIVE_CHOICES = ("auto", "allgather", "allreduce", "homomorphic")
 MOMENTUM_CHOICES = ("none", "nesterov")
-# What a selecting codec (top-k, DGC, threshold) chooses among in a gradient bucket: the whole
-# bucket (DGC's layer-free selection), or each member tensor on its own, as without buckets.
+# How an allgather codec encodes a gradient bucket: as one tensor (one selection, scale or norm
+# over the bucket; DGC's layer-free selection), or each member on its own, as without buckets.
 GRANULARITY_CHOICES = ("bucket", "tensor")
 DEFAULT_MU = 0.9
 # Keys that decorate any codec rather than parametrise one.
