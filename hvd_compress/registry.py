@@ -57,6 +57,9 @@ class CodecInfo:
     state_slots: per-parameter state tensors the kernel updates itself (DGC), kept in the store.
     min_dim: tensors with fewer dimensions travel uncompressed (DGC compresses weights only).
     replaces_momentum: the codec applies momentum itself; the optimizer's is turned off.
+    velocity: (the parameter giving its momentum factor, the state slot holding the velocity)
+    of a codec that replaces momentum: the frontends apply that heavy-ball momentum, in that
+    slot, to the gradients it leaves uncompressed (spec.spec_momentum).
     strategies: the collective strategies (hvd_compress.collectives) its payloads can travel
     by; `collective=auto` picks among them per tensor by the bytes each rank sends.
     server_codec: what the owner of a chunk re-encodes its chunk's sum with under the compressed
@@ -100,6 +103,7 @@ class CodecInfo:
     scale_free_slots: tuple[str, ...] = ()  # state not in gradient units (loss scaling)
     min_dim: int = 0
     replaces_momentum: bool = False
+    velocity: tuple[str, str] = ()
     strategies: tuple[str, ...] = ()
     server_codec: str | None = None
     homomorphic_levels: Callable[[dict], int | None] | None = None  # of the kernel fields
@@ -364,7 +368,7 @@ register(CodecInfo(
         "warm-up; weights only (dim > 1)",
     bits_per_element=lambda isz: 32 + 8 * isz, builtin_ef=True,
     state_slots=("dgc_velocity", "dgc_accumulator"), min_dim=2, replaces_momentum=True,
-    server_codec="topk",
+    velocity=("momentum_factor", "dgc_velocity"), server_codec="topk",
     rejects=(("momentum=nesterov", "DGC corrects momentum itself (momentum_factor); a second, "
               "worker-side momentum would apply it twice"),)))
 
@@ -396,7 +400,10 @@ register(CodecInfo(
     rounds=2, scale_free_slots=("powersgd_qt",),
     collective_note="two allreduces per step, P then Q",
     rejects=(("ef=vanilla", "PowerSGD keeps its own residual (error_feedback=true, the "
-              "default); a second one would add it twice"),)))
+              "default); a second one would add it twice"),
+             ("momentum=nesterov", "PowerSGD's two rounds take the gradient as it is, and its "
+              "error feedback trains with the optimizer's own momentum: leave momentum to the "
+              "optimizer"))))
 
 
 _STRATEGY_NAMES = {"allreduce": "allreduce", "allgather": "allgather",

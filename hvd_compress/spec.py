@@ -133,6 +133,22 @@ def momentum_fix(config: CompressionConfig, momentum: float) -> str | None:
     return f"{config},momentum=nesterov,mu={_fmt(float(momentum))}"
 
 
+def spec_momentum(config: CompressionConfig) -> tuple[str, float, str] | None:
+    """The momentum the spec takes over from the optimizer (whose own the frontends set to 0),
+    as (kind, factor, state slot): ("nesterov", mu, "momentum") for momentum=nesterov, and
+    ("heavy_ball", factor, velocity slot) for a codec that corrects momentum itself (DGC:
+    u = m*u + g). The codec applies it to what it encodes; the frontends apply it, in the same
+    slot, to every gradient that travels uncompressed (smaller than min_compress_bytes, fewer
+    dimensions than the codec takes, codec none), which would otherwise train with no momentum
+    at all. None: the optimizer keeps its own."""
+    if config.momentum == "nesterov":
+        return "nesterov", float(config.mu), "momentum"
+    if config.info.velocity:
+        param, slot = config.info.velocity
+        return "heavy_ball", float(config.param_dict[param]), slot
+    return None
+
+
 def momentum_advice(config: CompressionConfig, momentum: float) -> str | None:
     """The warning that names momentum_fix's spec, or None."""
     fixed = momentum_fix(config, momentum)

@@ -72,7 +72,8 @@ def assert_reduced(got, want, horovod_sums, what, world, magnitude=None):
 
 class BucketOracle:
     """The expected reduction: each bucket simulated as one tensor named like the bucket, the
-    parameters outside buckets (fewer dimensions than the codec takes) as Horovod's average."""
+    parameters outside buckets (fewer dimensions than the codec takes) as Horovod's average
+    of their gradients with the spec's momentum."""
 
     def __init__(self, spec, world, min_bytes=0):
         cfg = hc.parse_spec(spec)
@@ -83,7 +84,7 @@ class BucketOracle:
         inside = {m.name for b in self.layout for m in b.members}
         self.sims = {b.index: Simulation(spec, b.n, "float32", world, name=b.name)
                      for b in self.layout}
-        self.plain = {name: Simulation("none", int(np.prod(shape)), "float32", world)
+        self.plain = {name: Simulation(spec, int(np.prod(shape)), "float32", world, plain=True)
                       for name, shape in SHAPES.items() if name not in inside}
         # where the result is a sum by Horovod's allreduce (hvd_compress.collectives.family)
         linear = cfg.info.linear and cfg.collective == "auto"

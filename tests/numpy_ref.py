@@ -449,6 +449,15 @@ def nesterov(x: np.ndarray, m: np.ndarray, mu: float, dtype: str):
     return x2, m2
 
 
+def heavy_ball(x: np.ndarray, m: np.ndarray, factor: float, dtype: str):
+    """torch.optim.SGD's momentum buffer (m = m*factor + x, each operation rounded to the
+    dtype): what DGC's momentum correction is for a gradient it leaves uncompressed."""
+    A = acc_type(dtype)
+    scaled = from_acc(to_acc(m, dtype) * A(factor), dtype)
+    m2 = from_acc(to_acc(scaled, dtype) + to_acc(x, dtype), dtype)
+    return m2.copy(), m2
+
+
 def ef_encode(codec: str, x: np.ndarray, e: np.ndarray, dtype: str, prescale: float = 1.0, **kw):
     """Vanilla error feedback: p = x + e; c = C(p); e = p - D(c). Returns (payload, new e)."""
     p = from_acc(to_acc(x, dtype) + to_acc(e, dtype), dtype)

@@ -8,6 +8,7 @@ from helpers import random_grad, t2n
 from hvd_compress.torch import _C
 import hvd_compress as hc
 from hvd_compress import collectives as col
+from hvd_compress.spec import spec_momentum
 from hvd_compress.powersgd import PowerSGDState, matrix_shape
 
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
@@ -18,8 +19,11 @@ class Simulation:
     this tensor (hvd_compress.collectives.choose: which strategy is policy; the arithmetic here
     is numpy_ref's)."""
 
-    def __init__(self, spec, n, dtype, world, name="w"):
+    def __init__(self, spec, n, dtype, world, name="w", plain=False):
+        """plain: the tensor travels uncompressed whatever the codec (under min_compress_bytes,
+        fewer dimensions than the codec takes): the spec's momentum, then Horovod's average."""
         self.world = world
+        self.plain = plain
         self.name = name
         self.cfg = hc.parse_spec(spec)
         self.n, self.dtype = n, dtype
@@ -31,6 +35,19 @@ class Simulation:
         self.step = 0
         self.strategy = None
 
+    def _plain(self, grads):
+        """spec.spec_momentum per rank (the optimizer's own is 0), then Horovod's own Average:
+        sum, then times 1/size."""
+        taken = spec_momentum(self.cfg)
+        if taken is not None:
+            kind, factor, _ = taken
+            step = ref.nesterov if kind == "nesterov" else ref.heavy_ball
+            grads = list(grads)
+            for r in range(self.world):
+                grads[r], self.m[r] = step(grads[r], self.m[r], factor, self.dtype)
+        acc = rank_sum([ref.to_acc(g, self.dtype) for g in grads])
+        return ref.from_acc(acc * ref.acc_type(self.dtype)(1.0 / self.world), self.dtype)
+
     def job(self, rank):
         return col.Job(name=self.name, n=self.n, itemsize=ITEMSIZE[self.dtype], config=self.cfg,
                        rank=rank, world=self.world, average=True, opname=self.name,
@@ -39,6 +56,8 @@ class Simulation:
     def __call__(self, grads):
         cfg, dtype, n = self.cfg, self.dtype, self.n
         info = cfg.info
+        if self.plain or cfg.codec == "none":
+            return self._plain(grads)
         if cfg.codec != "none":
             self.strategy = col.choose(self.job(0))
             if self.strategy == col.COMPRESSED_ALLREDUCE:
@@ -49,9 +68,6 @@ class Simulation:
         def seed(r):
             key = hc.seed_name(self.name, r, info.seed_per_rank)
             return hc.derive_seed(cfg.seed, key, self.step) if info.uses_seed else 0
-        if cfg.codec == "none":  # Horovod's own Average: sum, then times 1/size
-            acc = rank_sum([ref.to_acc(g, dtype) for g in grads])
-            return ref.from_acc(acc * ref.acc_type(dtype)(1.0 / self.world), dtype)
         prescale = 1.0 / self.world if cfg.info.prescale_average else 1.0
         fields = {**cfg.kernel_fields(n, self.step)}
         fields.pop("rescale", None)

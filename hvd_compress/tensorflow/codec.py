@@ -16,7 +16,7 @@ from ..collectives import (ALLREDUCE, Job, Part, carry_kind, carry_parts, chunk_
                            part_bounds)
 from ..registry import CodecInfo
 from ..seeds import seed_base, seed_name
-from ..spec import CompressionConfig
+from ..spec import CompressionConfig, spec_momentum
 from ..state import StateStore
 from .ops import lib
 
@@ -218,6 +218,21 @@ class TFCodec:
         elif not info.linear:
             payload = tf.reshape(payload, [1, -1])
         return Encoded(payload, step, attrs, n, grad.shape, grad.dtype, wire)
+
+    def plain_momentum(self, name: str, grad):
+        """grad with the spec's momentum (spec.spec_momentum) applied, for a dense gradient
+        that travels uncompressed; the slot is updated. Heavy-ball momentum rounds as the torch
+        frontend's (and torch.optim.SGD's buffer): m*factor, then + grad, each rounded to the
+        gradient's dtype from float32 (float64 for float64)."""
+        kind, factor, slot = spec_momentum(self.config)
+        if kind == "nesterov":
+            return tf.reshape(self._momentum(name, grad, tf.reshape(grad, [-1])), grad.shape)
+        m = self._slot(name, slot, grad)
+        acc = tf.float64 if grad.dtype == tf.float64 else tf.float32
+        scaled = tf.cast(tf.cast(m, acc) * tf.constant(factor, acc), grad.dtype)
+        u = tf.cast(tf.cast(scaled, acc) + tf.cast(grad, acc), grad.dtype)
+        m.assign(u)
+        return u
 
     def _momentum(self, name: str, grad, flat):
         """flat with Nesterov momentum applied when configured (the buffer is updated)."""

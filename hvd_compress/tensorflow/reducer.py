@@ -15,7 +15,7 @@ import tensorflow as tf
 
 from .. import buckets, collectives, stats
 from ..compressor import CompressorBase
-from ..spec import CompressionConfig, momentum_advice, parse_spec
+from ..spec import CompressionConfig, momentum_advice, parse_spec, spec_momentum
 from ..state import StateStore
 from ..stats import CompressionStats
 from .codec import (DTYPE_NAMES, TFAdapter, TFCodec, fields_step, state_variable,
@@ -483,7 +483,7 @@ class Reducer:
         opname = "hvdc." + _OP_NAME.sub("_", name)
         nbytes = (grad.shape.num_elements() or 0) * grad.dtype.size
         if self._kept_plain(grad, name, bucket):
-            return self._plain(grad, opname)
+            return self._plain(self._plain_momentum(grad, name), opname)
 
         def compressed():
             info, ps = self.codec.info, self.process_set
@@ -524,6 +524,18 @@ class Reducer:
         # step; every rank takes the same branch.
         return tf.cond(tf.logical_and(self.enabled, self._no_rank_joined()), compressed,
                        lambda: self._plain(grad, opname + ".plain"))
+
+    def _plain_momentum(self, grad, name: str):
+        """grad with the spec's momentum (the optimizer's own is 0) where it travels
+        uncompressed, in a step that compresses: one where compression is off or a rank is
+        joined touches no state, as for compressed gradients."""
+        if (spec_momentum(self.config) is None or isinstance(grad, tf.IndexedSlices)
+                or grad.dtype not in DTYPE_NAMES):
+            return grad
+        # Touched here, the slot's backup for a rolled-back step is taken outside the branch.
+        self.store.slot(name, spec_momentum(self.config)[2], grad)
+        return tf.cond(tf.logical_and(self.enabled, self._no_rank_joined()),
+                       lambda: self.codec.plain_momentum(name, grad), lambda: grad)
 
     def _no_rank_joined(self):
         """Whether every rank of the set takes part in this step: none waits in hvd.join().

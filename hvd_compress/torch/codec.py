@@ -14,7 +14,7 @@ from ..collectives import (ALLREDUCE, COMPRESSED_ALLREDUCE, Job, Part, carry_kin
                            chunk_bounds)
 from ..registry import CodecInfo
 from ..seeds import derive_seed, seed_name
-from ..spec import CompressionConfig
+from ..spec import CompressionConfig, spec_momentum
 from ..state import StateStore
 from . import _C
 
@@ -106,6 +106,20 @@ class TorchCodec:
         members' slots the step touched)."""
         self._views.clear()
         self._gathered.clear()
+
+    def plain_momentum(self, name: str, grad: torch.Tensor) -> None:
+        """The spec's momentum (spec.spec_momentum) applied in place to a dense gradient that
+        travels uncompressed."""
+        taken = spec_momentum(self.config)
+        if taken is None:
+            return
+        kind, factor, slot = taken
+        m = self._slot(name, slot, grad)
+        if kind == "nesterov":
+            _C.nesterov(grad, m, factor)
+        else:  # as torch.optim.SGD updates its momentum buffer, rounding for rounding
+            m.mul_(factor).add_(grad)
+            grad.copy_(m)
 
     def encode(self, name: str, grad: torch.Tensor, *, prescale: float = 1.0) -> Encoded:
         """Momentum and error feedback (when configured), then the codec. May overwrite grad."""

@@ -35,7 +35,7 @@ import torch
 from horovod.torch.optimizer import _DistributedOptimizer
 
 from .. import buckets, collectives, stats
-from ..spec import CompressionConfig, momentum_advice
+from ..spec import CompressionConfig, momentum_advice, spec_momentum
 from ..state import StateStore
 from ..stats import CompressionStats
 from . import _C
@@ -73,6 +73,9 @@ class _CompressedReduction:
         self._hvdc_writer = None
         self._hvdc_synced = False  # synchronized and finite: committed by step()
         self._hvdc_active = None  # ranks stepping (not joined) this step, once counted
+        # Whether a step touches state, so that a rank in hvd.join() must be looked for: the
+        # codec's, or the spec's momentum even where nothing is compressed (codec none).
+        self._hvdc_stateful = config.codec != "none" or spec_momentum(config) is not None
         # A rank outside the process set steps on its own gradients, as with Horovod's
         # optimizer (which registers no hooks there): nothing of the set is asked of it.
         member = process_set.included()
@@ -134,7 +137,7 @@ class _CompressedReduction:
             if scaler is not None and scaler.is_enabled():  # the scale these gradients carry
                 self._hvdc_store.rescale(float(scaler.get_scale()),
                                          self._hvdc_config.info.scale_free_slots)
-        if self._hvdc_config.codec != "none":
+        if self._hvdc_stateful:
             self._hvdc_joined()  # first, on every rank: see synchronize()
         if p.grad is None:
             p.grad = p.data.new(p.size()).zero_()
@@ -217,7 +220,11 @@ class _CompressedReduction:
         return (lambda: hvd.synchronize(handle).to(grad.dtype)), None
 
     def _hvdc_plain(self, p, name, grad):
-        """Horovod's own allreduce of the uncompressed gradient, recorded in the statistics."""
+        """Horovod's own allreduce of the uncompressed gradient, recorded in the statistics.
+        The spec's momentum goes with it (the optimizer's own is 0), except in a step that a
+        rank sits out in hvd.join(), which touches no state."""
+        if not grad.is_sparse and self._hvdc_stateful and not self._hvdc_joined():
+            self._hvdc_codec.plain_momentum(name, grad)
         handle, ctx = self._hvdc_plain_allreduce_async(p)
         if not grad.is_sparse:
             nbytes = grad.numel() * grad.element_size()
@@ -261,7 +268,7 @@ class _CompressedReduction:
     def synchronize(self):
         # Every rank's first collective of a step is the count of stepping ranks: made at its
         # first gradient, or here by a rank that had none (the others are waiting on it).
-        if self._hvdc_config.codec != "none":
+        if self._hvdc_stateful:
             self._hvdc_joined()
         nowhere = self._hvdc_without_gradient()
         # Gradients that only other ranks computed: zeros go in their place, as in Horovod's

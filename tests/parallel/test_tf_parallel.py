@@ -73,6 +73,29 @@ def test_tape_error_feedback_and_momentum_equal_simulation(spec):
         assert same_bits(fn(tf.constant(grads[RANK])).numpy(), sim(grads)), f"step {step}"
 
 
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "function"])
+@pytest.mark.parametrize("spec", ["topk,k=0.1,ef=vanilla,momentum=nesterov,mu=0.9",
+                                  "none,momentum=nesterov,mu=0.5",
+                                  "dgc,k=0.01,momentum_factor=0.6", "onebit,ef=vanilla"])
+def test_spec_momentum_reaches_gradients_that_travel_uncompressed(spec, graph):
+    """As in torch: the spec's momentum replaces the optimizer's, so a gradient under
+    min_compress_bytes gets it before Horovod's allreduce (onebit: the gradient as it is)."""
+    n = 300
+    name = f"plain_m{spec.split(',')[0]}_{graph}"
+    var = tf.Variable(tf.zeros([n]), name=name)
+    sim = Simulation(spec, n, "float32", WORLD, name=name, plain=True)
+
+    def run(g):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(var * g)
+        tape = hvdt.DistributedGradientTape(tape, compression=spec, min_compress_bytes=10 ** 6)
+        return tape.gradient(loss, [var])[0]
+    fn = tf.function(run) if graph else run
+    for step in range(4):
+        grads = grads_for_step(n, "float32", step, WORLD)
+        assert same_bits(fn(tf.constant(grads[RANK])).numpy(), sim(grads)), f"step {step}"
+
+
 SPARSE_SPECS = ["threshold,threshold=1.0", "threshold,threshold=0.5,ef=vanilla", "dgc,k=0.01",
                 "dgc,k=0.05,momentum_factor=0.5,clip_norm=20"]
 
@@ -80,12 +103,13 @@ SPARSE_SPECS = ["threshold,threshold=1.0", "threshold,threshold=0.5,ef=vanilla",
 def weight_and_bias_steps(spec, graph, tag, steps=4):
     """A 60x70 weight and its bias reduced by a tape for `steps` steps, each compared bit for bit
     with the simulation, as the torch tests do: DGC compresses the weight only (dim > 1) and
-    the bias goes uncompressed; threshold compresses both. Returns the tape's statistics."""
+    the bias goes uncompressed, with DGC's momentum as heavy-ball momentum; threshold compresses
+    both. Returns the tape's statistics."""
     w = tf.Variable(tf.zeros([60, 70]), name=f"sparse_w{tag}")
     b = tf.Variable(tf.zeros([70]), name=f"sparse_b{tag}")
     n = 60 * 70
     sim = Simulation(spec, n, "float32", WORLD)
-    bias_sim = Simulation("none" if spec.startswith("dgc") else spec, 70, "float32", WORLD)
+    bias_sim = Simulation(spec, 70, "float32", WORLD, plain=spec.startswith("dgc"))
     tapes = []
 
     def run(gw, gb):

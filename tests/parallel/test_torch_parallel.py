@@ -7,6 +7,7 @@ collective delivered.
 from __future__ import annotations
 
 import copy
+import warnings
 
 import horovod.torch as hvd
 import numpy as np
@@ -90,7 +91,7 @@ def test_threshold_with_a_rank_sending_nothing():
 
 @pytest.mark.parametrize("spec", ["dgc,k=0.01", "dgc,k=0.05,momentum_factor=0.5,clip_norm=20",
                                   "dgc,k=0.01,warmup_steps=3"])
-def test_dgc_equals_simulation_and_leaves_biases_uncompressed(spec):
+def test_dgc_equals_simulation_and_leaves_biases_uncompressed_with_its_momentum(spec):
     w = torch.nn.Parameter(torch.zeros(60, 70))
     b = torch.nn.Parameter(torch.zeros(70))
     with pytest.warns(UserWarning, match="dgc in the compression spec replaces the optimizer"):
@@ -100,6 +101,7 @@ def test_dgc_equals_simulation_and_leaves_biases_uncompressed(spec):
     assert opt.param_groups[0]["momentum"] == 0  # DGC's momentum correction replaces it
     n = w.numel()
     sim = Simulation(spec, n, "float32", WORLD)
+    bias_sim = Simulation(spec, 70, "float32", WORLD, plain=True)
     for step in range(4):
         grads = grads_for_step(n, "float32", step, WORLD)
         bias = grads_for_step(70, "float32", 50 + step, WORLD)
@@ -108,10 +110,63 @@ def test_dgc_equals_simulation_and_leaves_biases_uncompressed(spec):
          (b * n2t(bias[RANK], "float32")).sum()).backward()
         opt.synchronize()
         assert same_bits(t2n(w.grad.reshape(-1)), sim(grads)), f"step {step}"
-        assert same_bits(t2n(b.grad), Simulation("none", 70, "float32", WORLD)(bias))
+        # with DGC's momentum as heavy-ball momentum: the optimizer's own is 0
+        assert same_bits(t2n(b.grad), bias_sim(bias)), f"bias, step {step}"
         with opt.skip_synchronize():
             opt.step()
     assert opt.compression_stats.tensors["b"].codec == "none"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("spec", ["topk,k=0.1,ef=vanilla,momentum=nesterov,mu=0.9",
+                                  "none,momentum=nesterov,mu=0.5",
+                                  "dgc,k=0.01,momentum_factor=0.6", "onebit,ef=vanilla"])
+def test_spec_momentum_reaches_gradients_that_travel_uncompressed(spec, dtype):
+    """The spec's momentum replaces the optimizer's (set to 0): a gradient under
+    min_compress_bytes still gets it before Horovod's allreduce (onebit: no spec momentum, the
+    gradient as it is)."""
+    n = 300
+    p = torch.nn.Parameter(torch.zeros(n, dtype=TORCH_DTYPES[dtype]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the notes that the optimizer's momentum is replaced
+        opt = hvdc.DistributedOptimizer(torch.optim.SGD([p], lr=0.0, momentum=0.9),
+                                        named_parameters=[("w", p)], compression=spec,
+                                        min_compress_bytes=10 ** 6)
+    sim = Simulation(spec, n, dtype, WORLD, plain=True)
+    for step in range(4):
+        grads = grads_for_step(n, dtype, step, WORLD)
+        got = reduce_step(p, opt, n2t(grads[RANK], dtype))
+        assert same_bits(t2n(got), sim(grads)), f"step {step}"
+    assert opt.compression_stats.tensors["w"].codec == "none"
+
+
+@pytest.mark.parametrize("spec,nesterov", [("topk,k=0.1,ef=vanilla,momentum=nesterov,mu=0.9", True),
+                                           ("dgc,k=0.01", False)])
+def test_uncompressed_model_trains_as_with_the_optimizers_own_momentum(spec, nesterov):
+    """Every tensor under min_compress_bytes: the run follows Horovod's optimizer with SGD's
+    own momentum (nesterov for momentum=nesterov, heavy-ball for DGC's correction), to the
+    rounding of averaging before rather than after the momentum."""
+    xs, ys = regression_data(RANK, 6)
+    models = [make_model(), make_model()]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ours = hvdc.DistributedOptimizer(
+            torch.optim.SGD(models[0].parameters(), lr=0.05, momentum=0.9),
+            named_parameters=models[0].named_parameters(), compression=spec,
+            min_compress_bytes=10 ** 6)
+    stock = hvd.DistributedOptimizer(
+        torch.optim.SGD(models[1].parameters(), lr=0.05, momentum=0.9, nesterov=nesterov),
+        named_parameters=[("stock." + k, v) for k, v in models[1].named_parameters()])
+    for x, y in zip(xs, ys):
+        for model, opt in zip(models, (ours, stock)):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+    moved = [(a - b).abs().max() for a, b in zip(models[0].parameters(),
+                                                  make_model().parameters())]
+    assert min(moved) > 1e-3  # momentum or not, the run has moved the weights
+    for a, b in zip(models[0].parameters(), models[1].parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_float16_gradients():

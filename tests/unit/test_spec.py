@@ -67,6 +67,8 @@ def test_defaults_filled_and_canonical_round_trip():
     ("dgc,ef=none", "dgc has error feedback built in (it keeps what it did not send)"),
     ("dgc,warmup_steps=1.5", "dgc: warmup_steps must be an integer, got '1.5'"),
     ("powersgd,ef=vanilla", "powersgd with ef=vanilla is refused: PowerSGD keeps its own"),
+    ("powersgd,momentum=nesterov", "powersgd with momentum=nesterov is refused: PowerSGD's two "
+                                   "rounds take the gradient as it is"),
     ("powersgd,rank=0", "powersgd: rank must be an integer >= 1, got 0"),
     ("threshold,threshold=-1", "threshold: threshold must be a number >= 0, got -1.0"),
     ("randomk,rescale=true,ef=vanilla", "randomk with rescale=true,ef=vanilla is refused: error "
@@ -194,6 +196,17 @@ def test_momentum_advice_names_the_spec_that_trains(spec, momentum, fix):
     else:
         assert f'compression="{fix}"' in advice
         assert str(hc.parse_spec(fix)) == fix  # what bench/convergence.py --advised runs
+
+
+@pytest.mark.parametrize("spec, taken", [
+    ("topk,k=0.01,ef=vanilla,momentum=nesterov,mu=0.8", ("nesterov", 0.8, "momentum")),
+    ("none,momentum=nesterov", ("nesterov", 0.9, "momentum")),
+    ("dgc", ("heavy_ball", 0.9, "dgc_velocity")),
+    ("dgc,momentum_factor=0.5", ("heavy_ball", 0.5, "dgc_velocity")),
+    ("onebit,ef=vanilla", None), ("powersgd", None), ("none", None)])
+def test_spec_momentum_names_what_uncompressed_gradients_get(spec, taken):
+    from hvd_compress.spec import spec_momentum
+    assert spec_momentum(hc.parse_spec(spec)) == taken
 
 
 @pytest.mark.parametrize("shape,matrix", [
