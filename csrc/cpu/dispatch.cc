@@ -279,7 +279,7 @@ void ef_encode(CodecId c, DType d, const void* x, void* e, float* carry, int64_t
       using T = std::remove_pointer_t<decltype(tag)>;
       const T* xs = static_cast<const T*>(x);
       T* es = static_cast<T*>(e);
-      for (int64_t i = 0; i < n; ++i) es[i] = from_acc<T>(to_acc(xs[i]) + to_acc(es[i]));
+      for (int64_t i = 0; i < n; ++i) es[i] = ef_sum(xs[i], es[i]);
     });
     encode(c, d, e, n, p, payload);
   }

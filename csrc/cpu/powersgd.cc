@@ -52,7 +52,7 @@ void powersgd_project(DType d, const void* g, void* e, bool ef, int64_t rows, in
       if (ef) {  // e holds M = g + e until the residual is taken
         T* er = es + i * cols;
         for (int64_t j = 0; j < cols; ++j) {
-          er[j] = from_acc<T>(to_acc(gr[j]) + to_acc(er[j]));
+          er[j] = ef_sum(gr[j], er[j]);
           m[j] = to_acc(er[j]);
         }
       } else {

@@ -57,18 +57,17 @@ __attribute__((target("avx2"))) void collect_f32_avx2(const float* x, float* e, 
   }
 }
 
-template <class T> T sum_of(const T* x, const T* e, int64_t i) {
-  return from_acc<T>(to_acc(x[i]) + to_acc(e[i]));
-}
-
 // collect over x, or with e given, over e = x + e as it is written (the error-feedback pass and
 // the candidate pass in one sweep of memory).
 template <class T, class K>
 void collect(const T* x, T* e, int64_t n, K t, std::vector<int32_t>& out) {
-  if constexpr (std::is_same_v<T, float>) return collect_at_least(x, e, n, t, out);
-  for (int64_t i = 0; i < n; ++i) {
-    const T v = e ? (e[i] = sum_of(x, e, i)) : x[i];
-    if (key_of(to_acc(v)) >= t) out.push_back(static_cast<int32_t>(i));
+  if constexpr (std::is_same_v<T, float>) {
+    collect_at_least(x, e, n, t, out);
+  } else {
+    for (int64_t i = 0; i < n; ++i) {
+      const T v = e ? (e[i] = ef_sum(x[i], e[i])) : x[i];
+      if (key_of(to_acc(v)) >= t) out.push_back(static_cast<int32_t>(i));
+    }
   }
 }
 
@@ -109,7 +108,7 @@ void exact_top(const std::vector<K>& keys, const std::vector<int32_t>& cand, int
 template <class T>
 void select(const T* x, T* e, int64_t n, int64_t k, int32_t* idx) {
   using K = decltype(key_of(to_acc(x[0])));
-  auto key_at = [&](int64_t i) { return key_of(to_acc(e ? sum_of(x, e, i) : x[i])); };
+  auto key_at = [&](int64_t i) { return key_of(to_acc(e ? ef_sum(x[i], e[i]) : x[i])); };
   // The threshold is the lower edge of the bin where a histogram of (a strided sample of) the
   // keys reaches the wanted count from the top: a histogram costs one add per key, where
   // selecting the wanted key of the sample (nth_element) cost several compares per key, which
@@ -207,7 +206,7 @@ void encode_top(DType d, const void* x, void* e, int64_t n, const Params& p, voi
     T* es = static_cast<T*>(e);
     if (k == 0 || k == n) {
       if (es)
-        for (int64_t i = 0; i < n; ++i) es[i] = sum_of(xs, es, i);
+        for (int64_t i = 0; i < n; ++i) es[i] = ef_sum(xs[i], es[i]);
       for (int64_t i = 0; i < k; ++i) L.idx[i] = static_cast<int32_t>(i);
     } else {
       select(xs, es, n, k, L.idx);

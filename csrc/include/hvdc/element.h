@@ -127,6 +127,10 @@ template <> HVDC_HD double from_acc<double>(double v) { return v; }
 template <> HVDC_HD half_t from_acc<half_t>(float v) { return half_t{f32_to_f16_bits(v)}; }
 template <> HVDC_HD bf16_t from_acc<bf16_t>(float v) { return bf16_t{f32_to_bf16_bits(v)}; }
 
+// p = x + e, what error feedback compresses, rounded once to the element type: the generic
+// error-feedback pass and top-k's fused one must agree to the bit.
+template <class T> HVDC_HD T ef_sum(T x, T e) { return from_acc<T>(to_acc(x) + to_acc(e)); }
+
 // Calls fn with a null pointer of the storage type of `dtype` (host code).
 template <class F> auto dispatch_dtype(DType dtype, F&& fn) {
   switch (dtype) {
