@@ -141,6 +141,11 @@ class _CompressedReduction:
             self._hvdc_joined()  # first, on every rank: see synchronize()
         if p.grad is None:
             p.grad = p.data.new(p.size()).zero_()
+        if p.grad.is_sparse and self.sparse_as_dense:
+            # Dense from here on, as in the TF frontend: compressed, bucketed and given the
+            # spec's momentum like any dense gradient (Horovod would densify it only inside its
+            # own allreduce, after the choice to send it uncompressed).
+            p.grad = p.grad.to_dense()
         if not p.grad.is_sparse and not p.grad.is_contiguous():
             # A transposed view or a channels_last gradient: Horovod's collectives (the plain
             # path, PowerSGD's) take contiguous tensors only, and the result lands in p.grad.
