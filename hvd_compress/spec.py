@@ -149,6 +149,15 @@ def spec_momentum(config: CompressionConfig) -> tuple[str, float, str] | None:
     return None
 
 
+def sparse_momentum_error(config: CompressionConfig, name: str) -> str:
+    """Why a sparse gradient cannot travel under a spec that took the optimizer's momentum."""
+    what = config.codec if config.info.replaces_momentum else "momentum=nesterov"
+    return (f"parameter {name!r} has a sparse gradient, which Horovod gathers uncompressed, and "
+            f"{what} in the compression spec has replaced the optimizer's momentum, which it "
+            f"could then not get: pass sparse_as_dense=True (the gradient is then compressed "
+            f"like any other), or leave momentum to the optimizer")
+
+
 def momentum_advice(config: CompressionConfig, momentum: float) -> str | None:
     """The warning that names momentum_fix's spec, or None."""
     fixed = momentum_fix(config, momentum)

@@ -15,7 +15,8 @@ import tensorflow as tf
 
 from .. import buckets, collectives, stats
 from ..compressor import CompressorBase
-from ..spec import CompressionConfig, momentum_advice, parse_spec, spec_momentum
+from ..spec import (CompressionConfig, momentum_advice, parse_spec, sparse_momentum_error,
+                    spec_momentum)
 from ..state import StateStore
 from ..stats import CompressionStats
 from .codec import (DTYPE_NAMES, TFAdapter, TFCodec, fields_step, state_variable,
@@ -529,9 +530,10 @@ class Reducer:
         """grad with the spec's momentum (the optimizer's own is 0) where it travels
         uncompressed, in a step that compresses: one where compression is off or a rank is
         joined touches no state, as for compressed gradients."""
-        if (spec_momentum(self.config) is None or isinstance(grad, tf.IndexedSlices)
-                or grad.dtype not in DTYPE_NAMES):
+        if spec_momentum(self.config) is None or grad.dtype not in DTYPE_NAMES:
             return grad
+        if isinstance(grad, tf.IndexedSlices):
+            raise ValueError(sparse_momentum_error(self.config, name))
         # Touched here, the slot's backup for a rolled-back step is taken outside the branch.
         self.store.slot(name, spec_momentum(self.config)[2], grad)
         return tf.cond(tf.logical_and(self.enabled, self._no_rank_joined()),

@@ -35,7 +35,7 @@ import torch
 from horovod.torch.optimizer import _DistributedOptimizer
 
 from .. import buckets, collectives, stats
-from ..spec import CompressionConfig, momentum_advice, spec_momentum
+from ..spec import CompressionConfig, momentum_advice, sparse_momentum_error, spec_momentum
 from ..state import StateStore
 from ..stats import CompressionStats
 from . import _C
@@ -228,8 +228,11 @@ class _CompressedReduction:
         """Horovod's own allreduce of the uncompressed gradient, recorded in the statistics.
         The spec's momentum goes with it (the optimizer's own is 0), except in a step that a
         rank sits out in hvd.join(), which touches no state."""
-        if not grad.is_sparse and self._hvdc_stateful and not self._hvdc_joined():
-            self._hvdc_codec.plain_momentum(name, grad)
+        if self._hvdc_stateful and not self._hvdc_joined():
+            if grad.is_sparse and spec_momentum(self._hvdc_config) is not None:
+                raise ValueError(sparse_momentum_error(self._hvdc_config, name))
+            if not grad.is_sparse:
+                self._hvdc_codec.plain_momentum(name, grad)
         handle, ctx = self._hvdc_plain_allreduce_async(p)
         if not grad.is_sparse:
             nbytes = grad.numel() * grad.element_size()

@@ -393,6 +393,21 @@ def test_keras_momentum_after_error_feedback_warns_and_spec_momentum_replaces_it
 
 
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "function"])
+def test_tape_sparse_gradient_under_spec_momentum_is_refused_with_the_fix(graph):
+    """As in torch: the spec's momentum cannot reach IndexedSlices, which Horovod gathers
+    uncompressed; without sparse_as_dense the tape says so."""
+    table = tf.Variable(tf.ones([100, 4]), name=f"sparse_momentum_table_{graph}")
+
+    def run():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.gather(table, tf.constant([RANK, 3])))
+        tape = hvdt.DistributedGradientTape(tape, compression="dgc,k=0.1", min_compress_bytes=0)
+        return tape.gradient(loss, [table])[0]
+    with pytest.raises(ValueError, match="has a sparse gradient.*sparse_as_dense=True"):
+        (tf.function(run) if graph else run)()
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "function"])
 def test_tape_sparse_as_dense_compresses_embedding_gradients(graph):
     table = tf.Variable(tf.ones([10000, 4]), name="sparse_table")
     ids = tf.constant([RANK, 3, 7])

@@ -169,9 +169,10 @@ def test_uncompressed_model_trains_as_with_the_optimizers_own_momentum(spec, nes
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-def embedding_run(spec, sparse, bucket_mb, steps=3):
+def embedding_run(spec, sparse, bucket_mb, steps=3, dense=True):
     """An embedding and a linear layer trained `steps` steps; each rank looks up other rows.
-    Returns the reduced gradients of every step, the compression state and statistics."""
+    dense: sparse_as_dense. Returns the reduced gradients of every step, the compression state
+    and statistics."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Embedding(500, 8, sparse=sparse),
                                 torch.nn.Linear(8, 1))
@@ -179,7 +180,7 @@ def embedding_run(spec, sparse, bucket_mb, steps=3):
         warnings.simplefilter("ignore")
         opt = hvdc.DistributedOptimizer(
             torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-            named_parameters=model.named_parameters(), compression=spec, sparse_as_dense=True,
+            named_parameters=model.named_parameters(), compression=spec, sparse_as_dense=dense,
             min_compress_bytes=0, bucket_mb=bucket_mb)
     grads = []
     for step in range(steps):
@@ -209,6 +210,16 @@ def test_sparse_as_dense_compresses_embedding_gradients_as_dense_ones(spec, buck
     assert "0.weight" in state["slots"]
     sent = {t.codec for t in stats.tensors.values()}
     assert sent - {"none"}, sent  # the codec carried them, not Horovod's plain allreduce
+
+
+@pytest.mark.parametrize("spec", ["topk,k=0.1,ef=vanilla,momentum=nesterov", "dgc,k=0.1"])
+def test_sparse_gradient_under_spec_momentum_is_refused_with_the_fix(spec):
+    """Horovod gathers a sparse gradient uncompressed, where the spec's momentum (which replaced
+    the optimizer's) cannot reach it: an error on every rank that names sparse_as_dense."""
+    with pytest.raises(ValueError, match="'0.weight' has a sparse gradient.*sparse_as_dense=True"):
+        embedding_run(spec, sparse=True, bucket_mb=0, dense=False)
+    grads, _, _ = embedding_run("topk,k=0.1,ef=vanilla", sparse=True, bucket_mb=0, dense=False)
+    assert grads[0][0].is_sparse  # without the spec's momentum, Horovod's sparse allreduce
 
 
 def test_float16_gradients():
