@@ -86,7 +86,8 @@ class Simulation:
             payloads.append(pl)
         seed0 = seed(0)
         self.step += 1
-        if cfg.codec == "fp16":  # half sum of pre-divided halves
+        if cfg.codec == "fp16" and self.strategy == col.ALLREDUCE:  # Horovod's half sum of
+            # pre-divided halves; gathered (2 ranks), our float32 sum of them
             hs = [np.frombuffer(pl, np.float16).astype(np.float32) for pl in payloads]
             summed = rank_sum(hs).astype(np.float16).tobytes()
             return ref.decode("fp16", summed, n, dtype, 1.0)
@@ -94,7 +95,8 @@ class Simulation:
             vals = [ref.to_acc(np.frombuffer(pl, ref._np_dtype(dtype)), dtype) for pl in payloads]
             summed = ref.from_acc(rank_sum(vals), dtype).tobytes()
             return ref.decode("randomk", summed, n, dtype, 1.0 / self.world, k=self.k, seed=seed0)
-        return ref.aggregate(cfg.codec, payloads, n, dtype, 1.0 / self.world, k=self.k)
+        alpha = info.average_factors(True, self.world)[1]
+        return ref.aggregate(cfg.codec, payloads, n, dtype, alpha, k=self.k)
 
 
     def _compressed(self, grads):
