@@ -58,12 +58,11 @@ class Simulation:
         info = cfg.info
         if self.plain or cfg.codec == "none":
             return self._plain(grads)
-        if cfg.codec != "none":
-            self.strategy = col.choose(self.job(0))
-            if self.strategy == col.COMPRESSED_ALLREDUCE:
-                return self._compressed(grads)
-            if self.strategy == col.HOMOMORPHIC:
-                return self._homomorphic(grads)
+        self.strategy = col.choose(self.job(0))
+        if self.strategy == col.COMPRESSED_ALLREDUCE:
+            return self._compressed(grads)
+        if self.strategy == col.HOMOMORPHIC:
+            return self._homomorphic(grads)
 
         def seed(r):
             key = hc.seed_name(self.name, r, info.seed_per_rank)

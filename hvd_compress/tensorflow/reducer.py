@@ -530,12 +530,13 @@ class Reducer:
         """grad with the spec's momentum (the optimizer's own is 0) where it travels
         uncompressed, in a step that compresses: one where compression is off or a rank is
         joined touches no state, as for compressed gradients."""
-        if spec_momentum(self.config) is None or grad.dtype not in DTYPE_NAMES:
+        taken = spec_momentum(self.config)
+        if taken is None or grad.dtype not in DTYPE_NAMES:
             return grad
         if isinstance(grad, tf.IndexedSlices):
             raise ValueError(sparse_momentum_error(self.config, name))
         # Touched here, the slot's backup for a rolled-back step is taken outside the branch.
-        self.store.slot(name, spec_momentum(self.config)[2], grad)
+        self.store.slot(name, taken[2], grad)
         return tf.cond(tf.logical_and(self.enabled, self._no_rank_joined()),
                        lambda: self.codec.plain_momentum(name, grad), lambda: grad)
 
