@@ -81,19 +81,15 @@ CHUNK_ALIGN = 64
 
 
 def family(info: CodecInfo, collective: str, fields: dict) -> tuple[str, ...]:
-    """The codec's strategies, for these kernel fields, that `collective` admits, the one a
-    tie of bytes keeps first. auto: all of them, except that linear codecs keep Horovod's
-    allreduce, or take an allgather where they have one and it sends no more (2 ranks): one
-    collective, not Horovod's two rounds, and the payloads summed in float32 by our kernels,
-    where Horovod sums float16 in half precision, and on the CPU element by element (a 25M
-    fp16 allreduce took 293 ms against 165 ms for float32). allreduce: ours (compressed or
-    homomorphic) where the codec has one, so that forcing it on fp16 also sums in float32."""
+    """The codec's strategies, for these kernel fields, that `collective` admits. auto: all of
+    them, except that linear codecs keep Horovod's allreduce: fp16 by allgather was faster
+    under Gloo, whose half-precision sum is slow, and slower under MPI (docs/benchmarks.md),
+    so it is asked for, not chosen. allreduce: ours (compressed or homomorphic) where the codec
+    has one, so that forcing it on fp16 sums in float32 instead of Horovod's half precision."""
     own = tuple(s for s in info.strategies
                 if s != HOMOMORPHIC or info.homomorphic_levels(fields) is not None)
     if collective == "auto":
-        if info.linear:
-            return (ALLGATHER, ALLREDUCE) if ALLGATHER in own else (ALLREDUCE,)
-        return own
+        return (ALLREDUCE,) if info.linear else own
     admitted = tuple(s for s in own if s in _FAMILIES[collective])
     ours = tuple(s for s in admitted if s != ALLREDUCE)
     return ours or admitted

@@ -63,7 +63,8 @@ def test_tape_aggregate_equals_simulation(codec, dtype, graph):
 
 
 @pytest.mark.parametrize("spec", ["topk,k=0.02,ef=vanilla", "onebit,ef=vanilla,momentum=nesterov",
-                                  "randomk,k=0.1,ef=vanilla,seed=11", "efsignsgd"])
+                                  "randomk,k=0.1,ef=vanilla,seed=11", "efsignsgd",
+                                  "fp16,ef=vanilla,collective=allgather"])
 def test_tape_error_feedback_and_momentum_equal_simulation(spec):
     n = 4099
     var = tf.Variable(tf.zeros([n]), name="w")  # same name as the torch test: same seeds

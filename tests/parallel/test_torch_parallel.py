@@ -67,7 +67,7 @@ def test_aggregate_equals_simulation(codec, dtype):
                                   "randomk,k=0.1,ef=vanilla,seed=11", "fp16,ef=vanilla",
                                   "signsgd,momentum=nesterov,mu=0.5", "bf16,ef=vanilla",
                                   "dithering,s=2,partition=natural,ef=vanilla,seed=3",
-                                  "terngrad,momentum=nesterov"])
+                                  "terngrad,momentum=nesterov", "fp16,collective=allgather"])
 def test_error_feedback_and_momentum_equal_simulation(spec):
     n = 4099
     p, opt = single_param_optimizer(spec, n)
