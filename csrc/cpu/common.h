@@ -93,6 +93,11 @@ void ef_accumulate_encode(DType d, const void* x, void* e, int64_t n, const Para
 // key_of(e[i]) >= t over e = x + e as it writes it. AVX2 where the CPU has it (DGC's candidate
 // pass uses it too).
 void collect_at_least(const float* x, float* e, int64_t n, uint32_t t, std::vector<int32_t>& out);
+// The top k by (key descending, index ascending) when only the ascending indices `nonzero`
+// (fewer than k) have a key above 0: those and the lowest indices of the zeros, ascending, to
+// idx. A gradient that is mostly zeros (an embedding's unused rows) is then never collected or
+// ranked element by element.
+void take_zeros(const std::vector<int32_t>& nonzero, int64_t k, int32_t* idx);
 void decode(DType d, const void* payload, int64_t n, const Params& p, void* out, double alpha,
             bool acc);
 void aggregate(DType d, const void* payloads, int64_t ranks, int64_t stride, int64_t n,

@@ -85,13 +85,16 @@ std::vector<int32_t> dgc_select(const A* v, int64_t n, int64_t k) {
   const int64_t m = static_cast<int64_t>(sample.size());
   int64_t r = std::max<int64_t>(1, (k * m + n / 2) / n);
   int64_t placed = 0;  // sample[0, placed) holds the largest values, each >= what follows
+  bool at_zero = false;  // the threshold fell to 0: only nonzero keys were collected
   for (int attempt = 0; attempt < 5; ++attempt) {
     // The r-th largest sample value. Lowering r later only looks past the ones placed before,
     // so the sample is partitioned once overall (selection, not a sort).
     const int64_t at = std::min(r, m) - 1;
     std::nth_element(sample.begin() + placed, sample.begin() + at, sample.end(), std::greater<K>());
     placed = at + 1;
-    const K thr = sample[at];
+    // At a threshold of 0 only the nonzero keys are collected; take_zeros adds zeros below.
+    at_zero = sample[at] == 0;
+    const K thr = at_zero ? K(1) : sample[at];
     cand.clear();
     if constexpr (std::is_same_v<A, float>) {
       topk::collect_at_least(v, nullptr, n, thr, cand);
@@ -99,8 +102,13 @@ std::vector<int32_t> dgc_select(const A* v, int64_t n, int64_t k) {
       for (int64_t i = 0; i < n; ++i)
         if (key_of(v[i]) >= thr) cand.push_back(static_cast<int32_t>(i));
     }
-    if (static_cast<int64_t>(cand.size()) * 5 >= k * 4 || r >= m) break;
+    if (static_cast<int64_t>(cand.size()) * 5 >= k * 4 || r >= m || at_zero) break;
     r *= 2;
+  }
+  if (at_zero && static_cast<int64_t>(cand.size()) < k) {
+    std::vector<int32_t> top(static_cast<size_t>(k));
+    topk::take_zeros(cand, k, top.data());
+    return top;
   }
   if (static_cast<int64_t>(cand.size()) > k) {
     std::vector<int32_t> order(cand);

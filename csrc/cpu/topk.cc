@@ -103,6 +103,20 @@ void exact_top(const std::vector<K>& keys, const std::vector<int32_t>& cand, int
     if (keys[j] > prefix || (keys[j] == prefix && need-- > 0)) idx[w++] = cand[j];
 }
 
+}  // namespace
+
+void take_zeros(const std::vector<int32_t>& nonzero, int64_t k, int32_t* idx) {
+  int64_t zeros = k - static_cast<int64_t>(nonzero.size());
+  int64_t w = 0, i = 0;
+  for (const int32_t next : nonzero) {
+    for (; zeros > 0 && i < next; ++i, --zeros) idx[w++] = static_cast<int32_t>(i);
+    idx[w++] = next;
+    i = next + 1;
+  }
+  for (; zeros > 0; ++i, --zeros) idx[w++] = static_cast<int32_t>(i);
+}
+
+namespace {
 // Writes the indices of the top k (ascending) of x, or with e given, of e = x + e, which it
 // writes. 0 < k < n.
 template <class T>
@@ -129,10 +143,13 @@ void select(const T* x, T* e, int64_t n, int64_t k, int32_t* idx) {
     while (bin > 0 && above < r) above += hist[--bin];
     cand.clear();
     cand.reserve(static_cast<size_t>(std::min<double>(n, want * 1.5)));
-    collect(from, from == x ? e : nullptr, n, static_cast<K>(bin) << bin_shift<K>(), cand);
+    // The lowest bin collects the nonzero keys only: zeros are found by take_zeros below.
+    const K t = bin > 0 ? static_cast<K>(bin) << bin_shift<K>() : K(1);
+    collect(from, from == x ? e : nullptr, n, t, cand);
     if (e) from = e;
     if (static_cast<int64_t>(cand.size()) >= k || bin == 0) break;
   }
+  if (static_cast<int64_t>(cand.size()) < k) return take_zeros(cand, k, idx);
   std::vector<K> keys(cand.size());
   for (size_t j = 0; j < cand.size(); ++j) keys[j] = key_of(to_acc(from[cand[j]]));
   exact_top(keys, cand, k, hist, idx);

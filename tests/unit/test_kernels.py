@@ -229,6 +229,44 @@ def test_topk_error_feedback_on_a_sampled_tensor(dtype, tail):
         assert same_bits(t2n(e), e_ref)
 
 
+def mostly_zeros(n, dtype, where, seed):
+    """An embedding's gradient: zeros (some negative) but for the rows a batch used."""
+    x = random_grad(n, dtype, seed=seed)
+    keep = torch.zeros(n, dtype=torch.bool)
+    if where == "start":
+        keep[:300] = True
+    elif where == "end":
+        keep[-300:] = True
+    elif where == "scattered":
+        keep[torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:300]] = True
+    return torch.where(keep, x, torch.where(torch.arange(n) % 5 == 0, -0.0, 0.0).to(x.dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [5000, 200003])
+@pytest.mark.parametrize("where", ["start", "end", "scattered", "none"])
+@pytest.mark.parametrize("ef", [False, True])
+def test_topk_with_fewer_nonzeros_than_k(ef, where, n, dtype):
+    """k above the nonzero count (an embedding's unused rows): the nonzeros and then the zeros
+    of lowest index, taken without collecting and ranking every zero, exact as the reference,
+    in the exact (n under the sample) and the sampled path."""
+    k = 1000
+    p = params(k=k)
+    e = torch.zeros(n, dtype=random_grad(1, dtype).dtype)
+    e_ref = t2n(e)
+    for step in range(2):
+        x = mostly_zeros(n, dtype, where, seed=step)
+        if ef:
+            payload = _C.new_payload(ID["topk"], x, p)
+            _C.ef_encode(ID["topk"], x, e, torch.zeros(0), p, payload)
+            want, e_ref = ref.ef_encode("topk", t2n(x), e_ref, dtype, k=k)
+            assert same_bits(t2n(e), e_ref)
+        else:
+            payload = encode("topk", x, p)
+            want = ref.encode("topk", t2n(x), dtype, k=k)
+        assert payload_bytes(payload) == want
+
+
 def test_topk_ties_take_lowest_indices():
     x = torch.ones(100000)
     x[5] = 3.0

@@ -94,6 +94,26 @@ def test_dgc_matches_reference(kw, n, k, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("nonzero", [0, 40, 2000])
+def test_dgc_with_fewer_nonzeros_than_k(nonzero, dtype):
+    """A velocity of mostly zeros (an embedding's unused rows): with fewer nonzeros than k the
+    sample's threshold is 0, and DGC sends the nonzeros and the zeros of lowest index, as the
+    reference does, without ranking every zero."""
+    n, k = 200003, 1000
+    u = torch.zeros(n, dtype=random_grad(1, dtype).dtype)
+    v = u.clone()
+    u_ref, v_ref = t2n(u), t2n(v)
+    rows = torch.randperm(n, generator=torch.Generator().manual_seed(nonzero))[:nonzero]
+    for step in range(3):
+        x = torch.zeros(n, dtype=u.dtype)
+        x[rows] = random_grad(nonzero, dtype, seed=step) + 1
+        payload, p = dgc_step(x, u, v, k, momentum_factor=0.5)
+        want, u_ref, v_ref = ref.dgc_encode(t2n(x), u_ref, v_ref, dtype, k, momentum_factor=0.5)
+        assert payload_bytes(payload) == want, f"step {step}"
+        assert same_bits(t2n(u), u_ref) and same_bits(t2n(v), v_ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bad", [(float("nan"),), (float("inf"), float("-inf")),
                                  (float("nan"), float("inf"))])
 def test_dgc_sends_non_finite_velocities(bad, dtype):
