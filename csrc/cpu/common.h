@@ -139,6 +139,9 @@ namespace sparse {
 int64_t threshold_capacity(DType d, int64_t n);
 int64_t threshold_used(DType d, const void* payload);
 void threshold_encode(DType d, const void* x, int64_t n, const Params& p, void* payload);
+// e = x + e, then threshold_encode(e), in one pass over memory (as top-k's).
+void threshold_ef_accumulate_encode(DType d, const void* x, void* e, int64_t n, const Params& p,
+                                    void* payload);
 void threshold_aggregate(DType d, const void* payloads, int64_t ranks, int64_t total, int64_t n,
                          void* out, double alpha, bool acc);
 int64_t dgc_payload_bytes(DType d, int64_t k);

@@ -274,6 +274,8 @@ void ef_encode(CodecId c, DType d, const void* x, void* e, float* carry, int64_t
   if (is_sign(c)) return sign::ef_encode(c, d, x, e, carry, n, p, payload);
   if (c == kTopK) {
     topk::ef_accumulate_encode(d, x, e, n, p, payload);
+  } else if (c == kThreshold) {
+    sparse::threshold_ef_accumulate_encode(d, x, e, n, p, payload);
   } else {
     dispatch_dtype(d, [&](auto* tag) {
       using T = std::remove_pointer_t<decltype(tag)>;

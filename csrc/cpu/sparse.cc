@@ -132,23 +132,49 @@ int64_t threshold_used(DType d, const void* payload) {
   return kThrHeader + index_bytes(c) + c * dtype_size(d);
 }
 
-void threshold_encode(DType d, const void* x, int64_t n, const Params& p, void* payload) {
+namespace {
+// The threshold payload of x, or with e given, of e = x + e, which it writes.
+void threshold_select(DType d, const void* x, void* e, int64_t n, const Params& p, void* payload) {
   auto* out = static_cast<uint8_t*>(payload);
   auto* idx = reinterpret_cast<int32_t*>(out + kThrHeader);
   dispatch_dtype(d, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     using A = typename Acc<T>::type;
     const T* xs = static_cast<const T*>(x);
+    T* es = static_cast<T*>(e);
     const A t = static_cast<A>(p.threshold);
     int64_t c = 0;
-    for (int64_t i = 0; i < n; ++i)
-      if (!(std::fabs(to_acc(xs[i])) <= t)) idx[c++] = static_cast<int32_t>(i);  // NaN is sent
+    if constexpr (std::is_same_v<T, float>) {
+      // !(|v| <= t) is key_of(v) > key_of(t) for t >= 0, NaN included: top-k's candidate pass,
+      // which also adds the residual as it goes (one pass over x and e, vectorised).
+      std::vector<int32_t> taken;
+      topk::collect_at_least(xs, es, n, key_of(t) + 1, taken);
+      c = static_cast<int64_t>(taken.size());
+      std::copy(taken.begin(), taken.end(), idx);
+    } else {
+      if (es)
+        for (int64_t i = 0; i < n; ++i) es[i] = ef_sum(xs[i], es[i]);
+      const T* from = es ? es : xs;
+      for (int64_t i = 0; i < n; ++i)
+        if (!(std::fabs(to_acc(from[i])) <= t)) idx[c++] = static_cast<int32_t>(i);  // NaN is sent
+    }
     if (c % 2) idx[c] = 0;
+    const T* from = es ? es : xs;
     T* vals = reinterpret_cast<T*>(out + kThrHeader + index_bytes(c));
-    for (int64_t j = 0; j < c; ++j) vals[j] = xs[idx[j]];
+    for (int64_t j = 0; j < c; ++j) vals[j] = from[idx[j]];
     const uint32_t head[2] = {payload_tag(kThreshold, d), static_cast<uint32_t>(c)};
     std::memcpy(out, head, 8);
   });
+}
+}  // namespace
+
+void threshold_encode(DType d, const void* x, int64_t n, const Params& p, void* payload) {
+  threshold_select(d, x, nullptr, n, p, payload);
+}
+
+void threshold_ef_accumulate_encode(DType d, const void* x, void* e, int64_t n, const Params& p,
+                                    void* payload) {
+  threshold_select(d, x, e, n, p, payload);
 }
 
 void threshold_aggregate(DType d, const void* payloads, int64_t ranks, int64_t total, int64_t n,
