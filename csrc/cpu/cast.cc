@@ -48,6 +48,19 @@ __attribute__((target("avx2,f16c"))) void f16_to_f32_avx2(const uint16_t* h, flo
   for (; i < n; ++i) y[i] = f16_bits_to_f32(h[i]);
 }
 
+// out += a * h, as the scalar loop rounds it (a product, then a sum: no fused multiply-add);
+// the software half conversion kept that loop scalar (a third of bf16's speed in aggregate).
+__attribute__((target("avx2,f16c"))) void f16_acc_f32_avx2(const uint16_t* h, float* out,
+                                                           int64_t n, float a) {
+  const __m256 va = _mm256_set1_ps(a);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i)));
+    _mm256_storeu_ps(out + i, _mm256_add_ps(_mm256_loadu_ps(out + i), _mm256_mul_ps(va, v)));
+  }
+  for (; i < n; ++i) out[i] = out[i] + a * f16_bits_to_f32(h[i]);
+}
+
 // Round to nearest even by adding 0x7fff + lsb. NaNs would carry into the exponent, so a block
 // holding any NaN is redone by the scalar rounding, which keeps them quiet NaNs.
 __attribute__((target("avx2"))) inline __m256i bf16_round_avx2(__m256 v) {
@@ -126,6 +139,9 @@ void decode16(const uint16_t* h, int64_t n, T* out, double alpha, bool acc) {
     if (!acc && alpha == 1.0 && cpu_has_avx2_f16c()) {
       if constexpr (std::is_same_v<W, half_t>) return f16_to_f32_avx2(h, out, n);
       else return bf16_to_f32_avx2(h, out, n);
+    }
+    if constexpr (std::is_same_v<W, half_t>) {
+      if (acc && cpu_has_avx2_f16c()) return f16_acc_f32_avx2(h, out, n, static_cast<float>(alpha));
     }
   }
   const A a = static_cast<A>(alpha);
