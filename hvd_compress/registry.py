@@ -56,10 +56,10 @@ class CodecInfo:
     back, each payload's header giving its length.
     state_slots: per-parameter state tensors the kernel updates itself (DGC), kept in the store.
     min_dim: tensors with fewer dimensions travel uncompressed (DGC compresses weights only).
-    replaces_momentum: the codec applies momentum itself; the optimizer's is turned off.
-    velocity: (the parameter giving its momentum factor, the state slot holding the velocity)
-    of a codec that replaces momentum: the frontends apply that heavy-ball momentum, in that
-    slot, to the gradients it leaves uncompressed (spec.spec_momentum).
+    replaces_momentum: set when the codec applies momentum itself (the optimizer's is turned
+    off): (the parameter giving its momentum factor, the state slot holding the velocity). The
+    frontends apply that heavy-ball momentum, in that slot, to the gradients the codec leaves
+    uncompressed (spec.spec_momentum).
     strategies: the collective strategies (hvd_compress.collectives) its payloads can travel
     by; `collective=auto` picks among them per tensor by the bytes each rank sends.
     server_codec: what the owner of a chunk re-encodes its chunk's sum with under the compressed
@@ -102,8 +102,7 @@ class CodecInfo:
     state_slots: tuple[str, ...] = ()
     scale_free_slots: tuple[str, ...] = ()  # state not in gradient units (loss scaling)
     min_dim: int = 0
-    replaces_momentum: bool = False
-    velocity: tuple[str, str] = ()
+    replaces_momentum: tuple[str, str] = ()
     strategies: tuple[str, ...] = ()
     server_codec: str | None = None
     homomorphic_levels: Callable[[dict], int | None] | None = None  # of the kernel fields
@@ -369,8 +368,8 @@ register(CodecInfo(
         "sample adapted to the target density, momentum factor masking, optional clipping and "
         "warm-up; weights only (dim > 1)",
     bits_per_element=lambda isz: 32 + 8 * isz, builtin_ef=True,
-    state_slots=("dgc_velocity", "dgc_accumulator"), min_dim=2, replaces_momentum=True,
-    velocity=("momentum_factor", "dgc_velocity"), server_codec="topk",
+    state_slots=("dgc_velocity", "dgc_accumulator"), min_dim=2,
+    replaces_momentum=("momentum_factor", "dgc_velocity"), server_codec="topk",
     rejects=(("momentum=nesterov", "DGC corrects momentum itself (momentum_factor); a second, "
               "worker-side momentum would apply it twice"),)))
 

@@ -143,8 +143,8 @@ def spec_momentum(config: CompressionConfig) -> tuple[str, float, str] | None:
     at all. None: the optimizer keeps its own."""
     if config.momentum == "nesterov":
         return "nesterov", float(config.mu), "momentum"
-    if config.info.velocity:
-        param, slot = config.info.velocity
+    if config.info.replaces_momentum:
+        param, slot = config.info.replaces_momentum
         return "heavy_ball", float(config.param_dict[param]), slot
     return None
 
