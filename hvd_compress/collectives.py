@@ -14,7 +14,9 @@ backward; TensorFlow resumes it at once (its graph runs Horovod's ops asynchrono
 allreduce: Horovod's allreduce of the payload, for linear codecs (a sum of payloads is the
     payload of the sum). Bytes per rank: 2(n-1)/n payloads.
 allgather: every rank's payload to every rank, decoded and reduced locally.
-    Bytes per rank: (n-1) payloads, growing with the rank count.
+    Bytes per rank: (n-1) payloads, growing with the rank count. Between two ranks over Gloo,
+    payloads of one size travel as a sum instead (`gather_rows`): Gloo's allgather sends one
+    direction at a time there, its allreduce both at once.
 compressed_allreduce (BytePS two-level compression, DeepSpeed 1-bit Adam, Bagua ByteGrad):
     1. each rank encodes its gradient in n chunks (n = ranks of the process set), with its
        worker residual (or the codec's own state) for each chunk;
@@ -80,16 +82,20 @@ HOMOMORPHIC_BLOCK = 4096
 CHUNK_ALIGN = 64
 
 
-def family(info: CodecInfo, collective: str, fields: dict) -> tuple[str, ...]:
+def family(info: CodecInfo, collective: str, fields: dict,
+           pair_sum: bool = False) -> tuple[str, ...]:
     """The codec's strategies, for these kernel fields, that `collective` admits. auto: all of
-    them, except that linear codecs keep Horovod's allreduce: fp16 by allgather was faster
-    under Gloo, whose half-precision sum is slow, and slower under MPI (docs/benchmarks.md),
-    so it is asked for, not chosen. allreduce: ours (compressed or homomorphic) where the codec
+    them, except that linear codecs keep Horovod's allreduce unless the allgather travels as a
+    sum (`pair_sum`: two ranks over Gloo), which then goes first. Horovod's Gloo sums half
+    precision slowly, so fp16 by our gathered sum wins there; under MPI the gathered sum was
+    slower (docs/benchmarks.md). allreduce: ours (compressed or homomorphic) where the codec
     has one, so that forcing it on fp16 sums in float32 instead of Horovod's half precision."""
     own = tuple(s for s in info.strategies
                 if s != HOMOMORPHIC or info.homomorphic_levels(fields) is not None)
     if collective == "auto":
-        return (ALLREDUCE,) if info.linear else own
+        if not info.linear:
+            return own
+        return (ALLGATHER, ALLREDUCE) if pair_sum and ALLGATHER in own else (ALLREDUCE,)
     admitted = tuple(s for s in own if s in _FAMILIES[collective])
     ours = tuple(s for s in admitted if s != ALLREDUCE)
     return ours or admitted
@@ -166,6 +172,8 @@ class Job:
     # The node layout for the two-level strategy: (local rank, local size, cross rank, cross size).
     nodes: tuple[int, int, int, int] | None = None
     strategy: str = ALLGATHER
+    # Horovod runs its collectives over Gloo (hvd.gloo_enabled()): see gather_rows.
+    gloo: bool = False
     wire_bytes: float = 0.0  # this rank's bytes on the wire by the cost model, for stats
     payload_bytes: int = 0   # bytes of this rank's own payloads (all chunks), for stats
     extra: dict = field(default_factory=dict)  # the frontend's own per-job data
@@ -191,6 +199,13 @@ class Ops(Protocol):
     def as_bytes(self, t: Any) -> Any: ...
     def from_bytes(self, b: Any, job: Job, half: bool = False) -> Any: ...
     """A 1-D tensor as bytes, and back to the gradient's dtype (to float16 with half)."""
+
+    def words(self, payload: Any) -> Any: ...
+    """The payload's bytes as int32 words: a copy, zero-padded to a whole word."""
+
+    def pair_rows(self, payload: Any, summed: Any, rank: int) -> Any: ...
+    """From the sum of two ranks' words(), both payloads in rank order, flat: what an allgather
+    of them returns."""
 
     def to_half(self, t: Any) -> Any: ...
     def widen(self, t: Any, job: Job) -> Any: ...
@@ -403,19 +418,20 @@ def choose(job: Job) -> str:
             job.info.payload_bytes(job.itemsize, p.n, p.field_dict) for p in parts)
         return ALLGATHER
     job.strategy, job.wire_bytes = _cheapest(job.config, job.n, job.itemsize, job.world,
-                                             job.fields_step if job.config.stepwise else 0)
+                                             job.fields_step if job.config.stepwise else 0,
+                                             pair_sum(job))
     return job.strategy
 
 
 @functools.lru_cache(maxsize=4096)
 def _cheapest(config: CompressionConfig, n: int, itemsize: int, world: int,
-              fields_step: int) -> tuple[str, float]:
+              fields_step: int, pairs: bool) -> tuple[str, float]:
     """(strategy, its wire bytes): the costs depend on sizes only (not on the name or the rank),
     so every tensor of a shape shares one decision, made once."""
     job = Job(name="", n=n, itemsize=itemsize, config=config, rank=0, world=world,
               average=True, opname="", fields_step=fields_step)
     info = config.info
-    allowed = family(info, config.collective, whole(job).field_dict)
+    allowed = family(info, config.collective, whole(job).field_dict, pairs)
     if world == 1 or len(allowed) == 1:
         best = allowed[0]
     else:
@@ -447,6 +463,25 @@ def run_allreduce(job: Job, ops: Ops) -> Plan:
     return ops.finish(job, [ops.decode_part(job, reduced, part, job.info, alpha)])
 
 
+def pair_sum(job: Job) -> bool:
+    """Whether this job's equal-size allgathers travel as a sum (gather_rows)."""
+    return job.gloo and job.world == 2
+
+
+def gather_rows(job: Job, ops: Ops, payload: Any, name: str) -> Plan:
+    """Every rank's payload, all of one size, concatenated in rank order: an allgather, or
+    between two ranks over Gloo an allreduce of the payload's bytes as int32 words, from whose
+    sum (modulo 2^32, as the homomorphic strategy relies on) each rank takes its own away to
+    get the other's, bit for bit. Gloo's allgather between two ranks sends one way and then
+    the other (the second rank to start sends its payload before it posts the receive the
+    first one waits for), so it took twice the link time; its allreduce sends both ways at
+    once. Same bytes on the wire, plus up to 3 of padding."""
+    if not pair_sum(job):
+        return (yield Allgather(payload, name, rows=True))
+    summed = yield Allreduce(ops.words(payload), name)
+    return ops.pair_rows(payload, summed, job.rank)
+
+
 def run_allgather(job: Job, ops: Ops) -> Plan:
     info = job.info
     if _per_member(job):
@@ -454,7 +489,9 @@ def run_allgather(job: Job, ops: Ops) -> Plan:
     part, payload, alpha = _encode_whole(job, ops)
     if info.variable_size:  # the size formula gave the capacity; this is what is sent
         job.wire_bytes = (job.world - 1) * job.payload_bytes
-    gathered = yield Allgather(payload, job.opname, rows=not info.variable_size)
+        gathered = yield Allgather(payload, job.opname)
+    else:
+        gathered = yield from gather_rows(job, ops, payload, job.opname)
     _keep(job, gathered)
     return ops.finish(job, _reduce_gathered(job, ops, gathered))
 
@@ -472,7 +509,7 @@ def _allgather_selections(job: Job, ops: Ops, parts: list[Part]) -> Plan:
     if info.samples:
         payload = ops.mark_nonfinite(job, x, payload)
     job.payload_bytes = ops.size(payload)
-    gathered = yield Allgather(payload, job.opname, rows=True)
+    gathered = yield from gather_rows(job, ops, payload, job.opname)
     pieces, at = [], 0
     for p, pl in zip(parts, payloads):
         size = ops.size(pl)
@@ -609,7 +646,7 @@ def _inner(job: Job, shard: Any, local_rank: int | None = None) -> Job:
                 itemsize=job.itemsize, config=replace(job.config, hierarchical=False),
                 rank=cross_rank, world=cross_size, average=job.average,
                 opname=f"{job.opname}.shard", step=job.step, fields_step=job.fields_step,
-                extra={"grad": shard})
+                gloo=job.gloo, extra={"grad": shard})
     choose(inner)
     return inner
 

@@ -1,5 +1,7 @@
 """Numpy simulation of a codec's whole reduction over all ranks (each rank can compute every
 rank's gradient from seeds), shared by the torch and TensorFlow parallel tests."""
+import os
+
 import numpy as np
 import torch
 
@@ -12,6 +14,10 @@ from hvd_compress.spec import spec_momentum
 from hvd_compress.powersgd import PowerSGDState, matrix_shape
 
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+# Whether the launcher runs Horovod over Gloo (horovodrun --gloo, tests/nodes.py): the plans then
+# gather between two ranks by a sum (collectives.gather_rows), and fp16 takes that way under
+# auto. test_torch_collectives checks this against hvd.gloo_enabled().
+GLOO = os.environ.get("HOROVOD_CONTROLLER") == "gloo"
 
 
 class Simulation:
@@ -51,7 +57,7 @@ class Simulation:
     def job(self, rank):
         return col.Job(name=self.name, n=self.n, itemsize=ITEMSIZE[self.dtype], config=self.cfg,
                        rank=rank, world=self.world, average=True, opname=self.name,
-                       step=self.step, fields_step=self.step)
+                       step=self.step, fields_step=self.step, gloo=GLOO)
 
     def __call__(self, grads):
         cfg, dtype, n = self.cfg, self.dtype, self.n
@@ -187,7 +193,7 @@ class TwoLevelSimulation:
         self.half = "hierarchical=fp16" in spec and dtype == "float32"
         job = col.Job(name="w", n=n, itemsize=ITEMSIZE[dtype], config=hc.parse_spec(spec),
                       rank=0, world=nodes * per_node, average=True, opname="w",
-                      nodes=(0, per_node, 0, nodes))
+                      nodes=(0, per_node, 0, nodes), gloo=GLOO)
         self.encoded = col.node_share(job) is not None
         inner = spec.replace(",hierarchical=true", "").replace(",hierarchical=fp16", "")
         self.bounds = col.chunk_bounds(n, per_node)

@@ -471,6 +471,19 @@ class TFCodec:
         return tf.bitcast(tf.reshape(b, [-1, dtype.size]), dtype)
 
     @staticmethod
+    def words(payload):
+        b = tf.reshape(payload, [-1])
+        b = tf.pad(b, [[0, -tf.size(b) % 4]])
+        return tf.bitcast(tf.reshape(b, [-1, 4]), tf.int32)
+
+    @staticmethod
+    def pair_rows(payload, summed, rank: int):
+        own = tf.reshape(payload, [-1])
+        other = tf.reshape(tf.bitcast(summed - TFCodec.words(own), tf.uint8), [-1])
+        other = other[:tf.size(own)]
+        return tf.concat([own, other] if rank == 0 else [other, own], 0)
+
+    @staticmethod
     def to_half(t):
         return tf.cast(t, tf.float16)
 

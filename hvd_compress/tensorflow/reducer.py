@@ -135,6 +135,7 @@ class Reducer:
         self._measured: dict[str, tf.Variable] = {}
         self._all_stepping = None  # this step's count of stepping ranks, once made
         self.nodes, self.groups = None, {None: process_set}
+        self.gloo = hvd.gloo_enabled()
         if config.hierarchical:
             self.nodes, local, cross = node_process_sets(process_set)
             self.groups.update({collectives.LOCAL: local, collectives.CROSS: cross})
@@ -497,7 +498,8 @@ class Reducer:
                                   rank=self._rank(), world=ps.size(),
                                   average=self.op == hvd.Average, opname=opname,
                                   step=this_step, fields_step=fields_step(self.config, this_step),
-                                  nodes=self.nodes, extra={"grad": grad}, members=members)
+                                  nodes=self.nodes, gloo=self.gloo, extra={"grad": grad},
+                                  members=members)
             collectives.choose(job)
             if warmup_attrs(self.config) and job.strategy != collectives.ALLGATHER:
                 self._gather_under_warmup(job)

@@ -78,6 +78,11 @@ def _decode(kernel_id: int, payload: torch.Tensor, out: torch.Tensor, kp: _C.Par
         _C.decode(kernel_id, payload, out, kp, alpha, False)
 
 
+def _whole_words(b: torch.Tensor) -> bool:
+    """Whether these bytes can be viewed as int32 words."""
+    return b.numel() % 4 == 0 and b.data_ptr() % 4 == 0
+
+
 class TorchCodec:
     def __init__(self, config: CompressionConfig, store: StateStore | None, rank: int = 0,
                  world: int = 1):
@@ -253,6 +258,28 @@ class TorchCodec:
     @staticmethod
     def from_bytes(b: torch.Tensor, job: Job, half: bool = False) -> torch.Tensor:
         return b.view(-1).view(torch.float16 if half else job.extra["grad"].dtype)
+
+    @staticmethod
+    def words(payload: torch.Tensor) -> torch.Tensor:
+        b = payload.contiguous().view(-1).view(torch.uint8)
+        if _whole_words(b):
+            return b.view(torch.int32).clone()
+        w = torch.zeros(-(-b.numel() // 4), dtype=torch.int32, device=b.device)
+        w.view(torch.uint8)[:b.numel()].copy_(b)
+        return w
+
+    @staticmethod
+    def pair_rows(payload: torch.Tensor, summed: torch.Tensor, rank: int) -> torch.Tensor:
+        own = payload.contiguous().view(-1).view(torch.uint8)
+        n = own.numel()
+        out = torch.empty(2 * n, dtype=torch.uint8, device=own.device)
+        mine, theirs = (out[:n], out[n:]) if rank == 0 else (out[n:], out[:n])
+        mine.copy_(own)
+        if _whole_words(own) and _whole_words(theirs):  # no padded copy of this rank's words
+            torch.sub(summed, own.view(torch.int32), out=theirs.view(torch.int32))
+        else:  # summed is this plan's own (Horovod summed it in place)
+            theirs.copy_(summed.sub_(TorchCodec.words(own)).view(torch.uint8)[:n])
+        return out
 
     @staticmethod
     def to_half(t: torch.Tensor) -> torch.Tensor:

@@ -86,6 +86,7 @@ class _CompressedReduction:
                                                  average=op == hvd.Average)
                                if config.info.rounds == 2 and member else None)
         self._hvdc_nodes, self._hvdc_groups = None, {None: process_set}
+        self._hvdc_gloo = hvd.gloo_enabled()
         if config.hierarchical and member:
             self._hvdc_nodes, local, cross = node_process_sets(process_set)
             self._hvdc_groups.update({collectives.LOCAL: local, collectives.CROSS: cross})
@@ -165,7 +166,7 @@ class _CompressedReduction:
         job = collectives.Job(name=name, n=grad.numel(), itemsize=grad.element_size(),
                               config=self._hvdc_config, rank=ps.rank(), world=ps.size(),
                               average=self.op == hvd.Average, opname=name, step=step,
-                              fields_step=step, nodes=self._hvdc_nodes, extra={"grad": grad})
+                              fields_step=step, nodes=self._hvdc_nodes, gloo=self._hvdc_gloo, extra={"grad": grad})
         collectives.choose(job)
         pending = PendingPlan(collectives.plan(job, self._hvdc_codec), self._hvdc_groups)
         self._hvdc_stats.record(name, job.info.name, grad.numel() * grad.element_size(),
@@ -198,7 +199,7 @@ class _CompressedReduction:
         job = collectives.Job(name=name, n=flat.numel(), itemsize=flat.element_size(),
                               config=self._hvdc_config, rank=ps.rank(), world=ps.size(),
                               average=self.op == hvd.Average, opname=name, step=step,
-                              fields_step=step, nodes=self._hvdc_nodes, extra={"grad": flat},
+                              fields_step=step, nodes=self._hvdc_nodes, gloo=self._hvdc_gloo, extra={"grad": flat},
                               members=tuple((m.name, m.n) for m in members))
         collectives.choose(job)
         self._hvdc_codec.view(name, [(m.name, g, m.start, m.stop) for g, m in zip(grads, members)])

@@ -18,6 +18,7 @@ from helpers import ranks_marker, same_bits
 from simulation import Simulation, grads_for_step
 from hvd_compress import collectives as col
 import hvd_compress as hc
+from hvd_compress.tensorflow.codec import TFCodec
 from hvd_compress.tensorflow.reducer import Reducer, to_config
 
 hvd.init()
@@ -170,10 +171,39 @@ def test_auto_picks_by_bytes(codec):
 
 
 def test_linear_codecs_keep_horovods_allreduce():
+    """Except fp16 between two ranks over Gloo (as in test_torch_collectives)."""
+    pair = hvd.gloo_enabled() and WORLD == 2
     for spec in ["fp16", "randomk,k=0.1"]:
         case = Case(spec, 1000)
         case.reduce(tf.ones([1000]))
-        assert case.stats.collective == col.ALLREDUCE
+        want = col.ALLGATHER if pair and spec == "fp16" else col.ALLREDUCE
+        assert case.stats.collective == want
+
+
+@pytest.mark.parametrize("nbytes", [1, 3, 4, 1001])
+def test_gathered_rows_equal_horovods_allgather(nbytes):
+    """collectives.gather_rows with the TF ops, eager and traced: what Horovod's allgather of
+    the same payloads returns, bit for bit (by a sum between two ranks over Gloo)."""
+    payload = tf.constant(np.random.default_rng(RANK + 7 * nbytes).integers(0, 256, nbytes),
+                          tf.uint8)
+    job = col.Job(name="rows", n=nbytes, itemsize=1, config=hc.parse_spec("bf16"), rank=RANK,
+                  world=WORLD, average=True, opname=f"tfrows.{nbytes}", gloo=hvd.gloo_enabled())
+    asked = []
+
+    def perform(request):
+        asked.append(type(request))
+        if isinstance(request, col.Allreduce):
+            return hvd.allreduce(request.tensor, op=hvd.Sum, name=request.name)
+        return hvd.allgather(tf.reshape(request.tensor, [1, -1]), name=request.name)
+
+    def gathered(p):
+        return col.run_now(col.gather_rows(job, TFCodec, p, job.opname), perform)
+    want = tf.reshape(hvd.allgather(tf.reshape(payload, [1, -1]), name=f"tfrows_check.{nbytes}"),
+                      [-1])
+    assert np.array_equal(tf.reshape(gathered(payload), [-1]).numpy(), want.numpy())
+    assert np.array_equal(tf.reshape(tf.function(gathered)(payload), [-1]).numpy(), want.numpy())
+    pair = hvd.gloo_enabled() and WORLD == 2
+    assert asked == [col.Allreduce if pair else col.Allgather] * 2
 
 
 def test_all_ranks_hold_identical_results():

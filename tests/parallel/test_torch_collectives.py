@@ -14,8 +14,10 @@ import pytest
 import torch
 
 from helpers import TORCH_DTYPES, n2t, ranks_marker, reduce_step, row_optimizer, same_bits, t2n
-from simulation import Simulation, grads_for_step
+from simulation import GLOO, Simulation, grads_for_step
 from hvd_compress import collectives as col
+from hvd_compress.torch.codec import TorchCodec
+from hvd_compress.torch.optimizer import PendingPlan
 import hvd_compress as hc
 
 hvd.init()
@@ -133,10 +135,45 @@ def test_auto_picks_by_bytes(codec):
 
 
 def test_linear_codecs_keep_horovods_allreduce():
+    """Except fp16 between two ranks over Gloo: gathered as a sum, then summed by our kernels
+    in float32 rather than by Gloo's slow half precision (collectives.family)."""
+    pair = hvd.gloo_enabled() and WORLD == 2
     for spec in ["fp16", "randomk,k=0.1"]:
         _, opt = row_optimizer(spec, 1000)
         reduce_step(opt.param_groups[0]["params"][0], opt, torch.ones(1, 1000))
-        assert opt.compression_stats.tensors["w"].collective == col.ALLREDUCE
+        want = col.ALLGATHER if pair and spec == "fp16" else col.ALLREDUCE
+        assert opt.compression_stats.tensors["w"].collective == want
+
+
+def test_the_simulation_knows_the_transport():
+    assert GLOO == hvd.gloo_enabled()
+
+
+@pytest.mark.parametrize("nbytes", [1, 3, 4, 1001, 1 << 16])
+def test_gathered_rows_equal_horovods_allgather(nbytes):
+    """collectives.gather_rows: between two ranks over Gloo an allreduce of the payloads as
+    int32 words (sums that wrap, on random bytes), elsewhere the allgather; either way what
+    Horovod's allgather of the same payloads returns, bit for bit."""
+    payload = torch.randint(0, 256, (nbytes,), dtype=torch.uint8,
+                            generator=torch.Generator().manual_seed(RANK + 7 * nbytes))
+    job = col.Job(name="rows", n=nbytes, itemsize=1, config=hc.parse_spec("bf16"), rank=RANK,
+                  world=WORLD, average=True, opname=f"rows.{nbytes}", gloo=hvd.gloo_enabled())
+    asked = []
+
+    def recorded(gen):
+        request = next(gen)
+        try:
+            while True:
+                asked.append(type(request))
+                request = gen.send((yield request))
+        except StopIteration as done:
+            return done.value
+    got = PendingPlan(recorded(col.gather_rows(job, TorchCodec, payload.clone(), job.opname)),
+                      {None: hvd.global_process_set})()
+    want = hvd.allgather(payload.view(1, -1), name=f"rows_check.{nbytes}").view(-1)
+    assert torch.equal(got.view(-1), want)
+    pair = hvd.gloo_enabled() and WORLD == 2
+    assert asked == [col.Allreduce if pair else col.Allgather]
 
 
 def test_all_ranks_hold_identical_results():

@@ -8,12 +8,13 @@ import torch
 import hvd_compress as hc
 from hvd_compress import collectives as col
 from hvd_compress.torch import _C
-from hvd_compress.torch.codec import kernel_params
+from hvd_compress.torch.codec import TorchCodec, kernel_params
 
 
-def job(spec, n, world, itemsize=4, rank=0, step=0):
+def job(spec, n, world, itemsize=4, rank=0, step=0, gloo=False):
     return col.Job(name="w", n=n, itemsize=itemsize, config=hc.parse_spec(spec), rank=rank,
-                   world=world, average=True, opname="w", step=step, fields_step=step)
+                   world=world, average=True, opname="w", step=step, fields_step=step,
+                   gloo=gloo)
 
 
 @pytest.mark.parametrize("n,world", list(itertools.product([0, 1, 7, 63, 64, 65, 1000, 4097, 100003],
@@ -92,6 +93,43 @@ def test_linear_codecs_keep_horovod_allreduce_under_auto():
     for spec in ("fp16", "randomk", "none"):
         assert col.choose(job(spec, 1 << 20, 8)) == col.ALLREDUCE
     assert col.choose(job("fp16,collective=allreduce", 1 << 20, 8)) == col.COMPRESSED_ALLREDUCE
+
+
+def test_fp16_gathers_by_sum_only_between_two_ranks_over_gloo():
+    assert col.choose(job("fp16", 1 << 20, 2, gloo=True)) == col.ALLGATHER
+    for world, gloo in ((2, False), (3, True), (8, True)):
+        assert col.choose(job("fp16", 1 << 20, world, gloo=gloo)) == col.ALLREDUCE
+    # the spec's own choice stands; randomk has no allgather to take
+    assert col.choose(job("fp16,collective=allreduce", 1 << 20, 2, gloo=True)) \
+        == col.COMPRESSED_ALLREDUCE
+    assert col.choose(job("randomk", 1 << 20, 2, gloo=True)) == col.ALLREDUCE
+
+
+@pytest.mark.parametrize("offset", [0, 1])
+@pytest.mark.parametrize("nbytes", [1, 2, 3, 4, 5, 1001, 4096])
+def test_gather_rows_by_sum_returns_both_payloads(nbytes, offset):
+    """Two ranks' gather_rows plans driven together, the allreduce done as Horovod's int32 sum
+    (wrapping): every rank gets both random payloads in rank order, bit for bit, whole words or
+    not, at an address of a whole word or not (offset). Elsewhere the plan asks for the
+    allgather itself."""
+    gen = torch.Generator().manual_seed(nbytes)
+    payloads = [torch.randint(0, 256, (offset + nbytes,), dtype=torch.uint8,
+                              generator=gen)[offset:] for _ in range(2)]
+    plans = [col.gather_rows(job("bf16", nbytes, 2, rank=r, gloo=True), TorchCodec,
+                             payloads[r], "w") for r in range(2)]
+    asked = [next(p) for p in plans]
+    assert all(isinstance(a, col.Allreduce) and a.tensor.dtype == torch.int32 for a in asked)
+    summed = asked[0].tensor + asked[1].tensor
+    got = []
+    for p in plans:
+        with pytest.raises(StopIteration) as done:
+            p.send(summed.clone())
+        got.append(done.value.value)
+    want = torch.cat(payloads)
+    assert all(torch.equal(g, want) for g in got)
+    for world, gloo in ((2, False), (3, True)):
+        plan = col.gather_rows(job("bf16", nbytes, world, gloo=gloo), TorchCodec, payloads[0], "w")
+        assert isinstance(next(plan), col.Allgather)
 
 
 def test_forced_collectives_and_refusals():
