@@ -245,8 +245,8 @@ register(CodecInfo(
     doc="cast to IEEE half precision, round to nearest even",
     bits_per_element=lambda isz: 16.0, prescale_average=True, wire_dtype="float16",
     strategies=("allreduce", "allgather", "compressed_allreduce"),
-    collective_note="Horovod's allreduce; collective=allgather sums the gathered halves in "
-                    "float32 with our kernels"))
+    collective_note="Horovod's allreduce, but gathered between two ranks over Gloo; "
+                    "collective=allgather sums the gathered halves in float32 with our kernels"))
 register(CodecInfo(
     name="bf16", kernel_id=2, collective="allgather", aggregation="mean", params=(),
     wire="bfloat16[n]", doc="cast to bfloat16, round to nearest even",
