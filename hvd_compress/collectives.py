@@ -15,8 +15,8 @@ allreduce: Horovod's allreduce of the payload, for linear codecs (a sum of paylo
     payload of the sum). Bytes per rank: 2(n-1)/n payloads.
 allgather: every rank's payload to every rank, decoded and reduced locally.
     Bytes per rank: (n-1) payloads, growing with the rank count. Between two ranks over Gloo,
-    payloads of one size travel as a sum instead (`gather_rows`): Gloo's allgather sends one
-    direction at a time there, its allreduce both at once.
+    the payloads travel as a sum instead (`gather_rows`, `gather_sized`): Gloo's allgather
+    sends one direction at a time there, its allreduce both at once.
 compressed_allreduce (BytePS two-level compression, DeepSpeed 1-bit Adam, Bagua ByteGrad):
     1. each rank encodes its gradient in n chunks (n = ranks of the process set), with its
        worker residual (or the codec's own state) for each chunk;
@@ -200,12 +200,16 @@ class Ops(Protocol):
     def from_bytes(self, b: Any, job: Job, half: bool = False) -> Any: ...
     """A 1-D tensor as bytes, and back to the gradient's dtype (to float16 with half)."""
 
-    def words(self, payload: Any) -> Any: ...
-    """The payload's bytes as int32 words: a copy, zero-padded to a whole word."""
+    def own_size(self, payload: Any, rank: int) -> Any: ...
+    """int32 [2]: the payload's bytes at index rank, 0 at the other (summed: both sizes)."""
 
-    def pair_rows(self, payload: Any, summed: Any, rank: int) -> Any: ...
+    def words(self, payload: Any, sizes: Any = None) -> Any: ...
+    """The payload's bytes as int32 words: a copy, zero-padded to a whole word, or to the
+    larger of own_size()'s summed sizes."""
+
+    def pair_rows(self, payload: Any, summed: Any, rank: int, sizes: Any = None) -> Any: ...
     """From the sum of two ranks' words(), both payloads in rank order, flat: what an allgather
-    of them returns."""
+    of them returns (the other's of its size in sizes, else of this one's)."""
 
     def to_half(self, t: Any) -> Any: ...
     def widen(self, t: Any, job: Job) -> Any: ...
@@ -482,6 +486,17 @@ def gather_rows(job: Job, ops: Ops, payload: Any, name: str) -> Plan:
     return ops.pair_rows(payload, summed, job.rank)
 
 
+def gather_sized(job: Job, ops: Ops, payload: Any, name: str) -> Plan:
+    """gather_rows for payloads whose sizes differ by rank (threshold): between two ranks over
+    Gloo, a small allreduce tells each rank both sizes first, and the words of both payloads
+    are as many as the larger one needs."""
+    if not pair_sum(job):
+        return (yield Allgather(payload, name))
+    sizes = yield Allreduce(ops.own_size(payload, job.rank), name + ".sizes")
+    summed = yield Allreduce(ops.words(payload, sizes), name)
+    return ops.pair_rows(payload, summed, job.rank, sizes)
+
+
 def run_allgather(job: Job, ops: Ops) -> Plan:
     info = job.info
     if _per_member(job):
@@ -489,7 +504,7 @@ def run_allgather(job: Job, ops: Ops) -> Plan:
     part, payload, alpha = _encode_whole(job, ops)
     if info.variable_size:  # the size formula gave the capacity; this is what is sent
         job.wire_bytes = (job.world - 1) * job.payload_bytes
-        gathered = yield Allgather(payload, job.opname)
+        gathered = yield from gather_sized(job, ops, payload, job.opname)
     else:
         gathered = yield from gather_rows(job, ops, payload, job.opname)
     _keep(job, gathered)

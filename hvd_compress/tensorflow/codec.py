@@ -471,16 +471,23 @@ class TFCodec:
         return tf.bitcast(tf.reshape(b, [-1, dtype.size]), dtype)
 
     @staticmethod
-    def words(payload):
+    def own_size(payload, rank: int):
+        return tf.scatter_nd([[rank]], tf.reshape(tf.size(payload), [1]), [2])
+
+    @staticmethod
+    def words(payload, sizes=None):
         b = tf.reshape(payload, [-1])
-        b = tf.pad(b, [[0, -tf.size(b) % 4]])
+        nbytes = tf.size(b) if sizes is None else tf.reduce_max(sizes)
+        b = tf.pad(b, [[0, nbytes - tf.size(b) + -nbytes % 4]])
         return tf.bitcast(tf.reshape(b, [-1, 4]), tf.int32)
 
     @staticmethod
-    def pair_rows(payload, summed, rank: int):
+    def pair_rows(payload, summed, rank: int, sizes=None):
         own = tf.reshape(payload, [-1])
-        other = tf.reshape(tf.bitcast(summed - TFCodec.words(own), tf.uint8), [-1])
-        other = other[:tf.size(own)]
+        m = tf.size(own) if sizes is None else sizes[1 - rank]
+        padded = tf.pad(own, [[0, 4 * tf.size(summed) - tf.size(own)]])
+        words = tf.bitcast(tf.reshape(padded, [-1, 4]), tf.int32)
+        other = tf.reshape(tf.bitcast(summed - words, tf.uint8), [-1])[:m]
         return tf.concat([own, other] if rank == 0 else [other, own], 0)
 
     @staticmethod

@@ -260,25 +260,36 @@ class TorchCodec:
         return b.view(-1).view(torch.float16 if half else job.extra["grad"].dtype)
 
     @staticmethod
-    def words(payload: torch.Tensor) -> torch.Tensor:
+    def own_size(payload: torch.Tensor, rank: int) -> torch.Tensor:
+        sizes = torch.zeros(2, dtype=torch.int32)
+        sizes[rank] = payload.numel() * payload.element_size()
+        return sizes
+
+    @staticmethod
+    def words(payload: torch.Tensor, sizes: torch.Tensor | None = None) -> torch.Tensor:
         b = payload.contiguous().view(-1).view(torch.uint8)
-        if _whole_words(b):
+        nbytes = b.numel() if sizes is None else int(sizes.max())
+        if nbytes == b.numel() and _whole_words(b):
             return b.view(torch.int32).clone()
-        w = torch.zeros(-(-b.numel() // 4), dtype=torch.int32, device=b.device)
+        w = torch.zeros(-(-nbytes // 4), dtype=torch.int32, device=b.device)
         w.view(torch.uint8)[:b.numel()].copy_(b)
         return w
 
     @staticmethod
-    def pair_rows(payload: torch.Tensor, summed: torch.Tensor, rank: int) -> torch.Tensor:
+    def pair_rows(payload: torch.Tensor, summed: torch.Tensor, rank: int,
+                  sizes: torch.Tensor | None = None) -> torch.Tensor:
         own = payload.contiguous().view(-1).view(torch.uint8)
         n = own.numel()
-        out = torch.empty(2 * n, dtype=torch.uint8, device=own.device)
-        mine, theirs = (out[:n], out[n:]) if rank == 0 else (out[n:], out[:n])
+        m = n if sizes is None else int(sizes[1 - rank])
+        out = torch.empty(n + m, dtype=torch.uint8, device=own.device)
+        mine, theirs = (out[:n], out[n:]) if rank == 0 else (out[m:], out[:m])
         mine.copy_(own)
-        if _whole_words(own) and _whole_words(theirs):  # no padded copy of this rank's words
+        if n == m == 4 * summed.numel() and _whole_words(own) and _whole_words(theirs):
             torch.sub(summed, own.view(torch.int32), out=theirs.view(torch.int32))
         else:  # summed is this plan's own (Horovod summed it in place)
-            theirs.copy_(summed.sub_(TorchCodec.words(own)).view(torch.uint8)[:n])
+            words = torch.zeros_like(summed)
+            words.view(torch.uint8)[:n].copy_(own)
+            theirs.copy_(summed.sub_(words).view(torch.uint8)[:m])
         return out
 
     @staticmethod

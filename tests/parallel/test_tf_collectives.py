@@ -206,6 +206,34 @@ def test_gathered_rows_equal_horovods_allgather(nbytes):
     assert asked == [col.Allreduce if pair else col.Allgather] * 2
 
 
+@pytest.mark.parametrize("base", [1, 4, 1001])
+def test_sized_gathers_equal_horovods_allgather(base):
+    """collectives.gather_sized with the TF ops, eager and traced with the size unknown to the
+    graph: payloads of a size that differs by rank, as Horovod's allgather returns them."""
+    nbytes = base + 3 * RANK
+    payload = tf.constant(np.random.default_rng(RANK + 7 * base).integers(0, 256, nbytes),
+                          tf.uint8)
+    job = col.Job(name="sized", n=nbytes, itemsize=1, config=hc.parse_spec("threshold"),
+                  rank=RANK, world=WORLD, average=True, opname=f"tfsized.{base}",
+                  gloo=hvd.gloo_enabled())
+    asked = []
+
+    def perform(request):
+        asked.append(type(request))
+        if isinstance(request, col.Allreduce):
+            return hvd.allreduce(request.tensor, op=hvd.Sum, name=request.name)
+        return hvd.allgather(request.tensor, name=request.name)
+
+    def gathered(p):
+        return col.run_now(col.gather_sized(job, TFCodec, p, job.opname), perform)
+    want = hvd.allgather(payload, name=f"tfsized_check.{base}").numpy()
+    assert np.array_equal(gathered(payload).numpy(), want)
+    traced = tf.function(gathered, input_signature=[tf.TensorSpec([None], tf.uint8)])
+    assert np.array_equal(traced(payload).numpy(), want)
+    pair = hvd.gloo_enabled() and WORLD == 2
+    assert asked == ([col.Allreduce, col.Allreduce] if pair else [col.Allgather]) * 2
+
+
 def test_all_ranks_hold_identical_results():
     case = Case("onebit,ef=vanilla,collective=allreduce", 1000)
     got = case.reduce(tf.random.stateless_normal([1000], seed=[RANK, 0]))

@@ -159,21 +159,42 @@ def test_gathered_rows_equal_horovods_allgather(nbytes):
     job = col.Job(name="rows", n=nbytes, itemsize=1, config=hc.parse_spec("bf16"), rank=RANK,
                   world=WORLD, average=True, opname=f"rows.{nbytes}", gloo=hvd.gloo_enabled())
     asked = []
-
-    def recorded(gen):
-        request = next(gen)
-        try:
-            while True:
-                asked.append(type(request))
-                request = gen.send((yield request))
-        except StopIteration as done:
-            return done.value
-    got = PendingPlan(recorded(col.gather_rows(job, TorchCodec, payload.clone(), job.opname)),
-                      {None: hvd.global_process_set})()
+    got = PendingPlan(_recorded(col.gather_rows(job, TorchCodec, payload.clone(), job.opname),
+                                asked), {None: hvd.global_process_set})()
     want = hvd.allgather(payload.view(1, -1), name=f"rows_check.{nbytes}").view(-1)
     assert torch.equal(got.view(-1), want)
     pair = hvd.gloo_enabled() and WORLD == 2
     assert asked == [col.Allreduce if pair else col.Allgather]
+
+
+def _recorded(gen, asked):
+    request = next(gen)
+    try:
+        while True:
+            asked.append(type(request))
+            request = gen.send((yield request))
+    except StopIteration as done:
+        return done.value
+
+
+@pytest.mark.parametrize("base", [1, 4, 1001])
+def test_sized_gathers_equal_horovods_allgather(base):
+    """collectives.gather_sized, for payloads whose size differs by rank (threshold's): every
+    rank's payload back to back, as Horovod's allgather of them returns, bit for bit; between
+    two ranks over Gloo by a sum of the sizes, then of the words."""
+    nbytes = base + 3 * RANK
+    payload = torch.randint(0, 256, (nbytes,), dtype=torch.uint8,
+                            generator=torch.Generator().manual_seed(RANK + 7 * base))
+    job = col.Job(name="sized", n=nbytes, itemsize=1, config=hc.parse_spec("threshold"),
+                  rank=RANK, world=WORLD, average=True, opname=f"sized.{base}",
+                  gloo=hvd.gloo_enabled())
+    asked = []
+    got = PendingPlan(_recorded(col.gather_sized(job, TorchCodec, payload.clone(), job.opname),
+                                asked), {None: hvd.global_process_set})()
+    want = hvd.allgather(payload, name=f"sized_check.{base}")
+    assert torch.equal(got, want)
+    pair = hvd.gloo_enabled() and WORLD == 2
+    assert asked == ([col.Allreduce, col.Allreduce] if pair else [col.Allgather])
 
 
 def test_all_ranks_hold_identical_results():

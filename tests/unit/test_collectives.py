@@ -132,6 +132,31 @@ def test_gather_rows_by_sum_returns_both_payloads(nbytes, offset):
         assert isinstance(next(plan), col.Allgather)
 
 
+@pytest.mark.parametrize("sizes", [(1, 5), (8, 8), (1001, 3), (4096, 4100), (12, 8), (3, 3)])
+def test_gather_sized_by_sum_returns_both_payloads(sizes):
+    """Threshold's payloads differ in size by rank: between two ranks over Gloo, a sum of both
+    sizes first, then of the words of both payloads padded to the larger; every rank gets both
+    payloads, back to back in rank order, bit for bit."""
+    gen = torch.Generator().manual_seed(sum(sizes))
+    payloads = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen) for n in sizes]
+    first = [col.gather_sized(job("threshold", 64, 2, rank=r, gloo=True), TorchCodec,
+                              payloads[r], "w") for r in range(2)]
+    asked = [next(p) for p in first]
+    assert all(a.name == "w.sizes" for a in asked)
+    sizes_sum = asked[0].tensor + asked[1].tensor
+    assert sizes_sum.tolist() == list(sizes)
+    second = [p.send(sizes_sum.clone()) for p in first]
+    summed = second[0].tensor + second[1].tensor
+    assert 4 * summed.numel() == -(-max(sizes) // 4) * 4
+    want = torch.cat(payloads)
+    for p in first:
+        with pytest.raises(StopIteration) as done:
+            p.send(summed.clone())
+        assert torch.equal(done.value.value, want)
+    plan = col.gather_sized(job("threshold", 64, 2), TorchCodec, payloads[0], "w")
+    assert isinstance(next(plan), col.Allgather)
+
+
 def test_forced_collectives_and_refusals():
     assert col.choose(job("onebit,collective=allgather", 1 << 20, 8)) == col.ALLGATHER
     assert col.choose(job("onebit,collective=allreduce", 10, 8)) == col.COMPRESSED_ALLREDUCE
