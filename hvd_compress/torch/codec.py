@@ -271,8 +271,9 @@ class TorchCodec:
         nbytes = b.numel() if sizes is None else int(sizes.max())
         if nbytes == b.numel() and _whole_words(b):
             return b.view(torch.int32).clone()
-        w = torch.zeros(-(-nbytes // 4), dtype=torch.int32, device=b.device)
+        w = torch.empty(-(-nbytes // 4), dtype=torch.int32, device=b.device)
         w.view(torch.uint8)[:b.numel()].copy_(b)
+        w.view(torch.uint8)[b.numel():].zero_()
         return w
 
     @staticmethod
@@ -284,8 +285,11 @@ class TorchCodec:
         out = torch.empty(n + m, dtype=torch.uint8, device=own.device)
         mine, theirs = (out[:n], out[n:]) if rank == 0 else (out[m:], out[:m])
         mine.copy_(own)
-        if n == m == 4 * summed.numel() and _whole_words(own) and _whole_words(theirs):
-            torch.sub(summed, own.view(torch.int32), out=theirs.view(torch.int32))
+        if n % 4 == 0 and m % 4 == 0 and _whole_words(own) and _whole_words(theirs):
+            k = min(n, m) // 4  # words that both payloads fill
+            torch.sub(summed[:k], own.view(torch.int32)[:k], out=theirs.view(torch.int32)[:k])
+            # past this rank's payload the sum is the other's alone
+            theirs[4 * k:].copy_(summed.view(torch.uint8)[4 * k:m])
         else:  # summed is this plan's own (Horovod summed it in place)
             words = torch.zeros_like(summed)
             words.view(torch.uint8)[:n].copy_(own)
