@@ -477,9 +477,9 @@ def gather_rows(job: Job, ops: Ops, payload: Any, name: str) -> Plan:
     between two ranks over Gloo an allreduce of the payload's bytes as int32 words, from whose
     sum (modulo 2^32, as the homomorphic strategy relies on) each rank takes its own away to
     get the other's, bit for bit. Gloo's allgather between two ranks sends one way and then
-    the other (the second rank to start sends its payload before it posts the receive the
-    first one waits for), so it took twice the link time; its allreduce sends both ways at
-    once. Same bytes on the wire, plus up to 3 of padding."""
+    the other (the second rank to start sends its payload at once, and the notice that it can
+    receive, which the first one waits for, queues behind it), so it took twice the link time;
+    its allreduce sends both ways at once. Same bytes on the wire, plus up to 3 of padding."""
     if not pair_sum(job):
         return (yield Allgather(payload, name, rows=True))
     summed = yield Allreduce(ops.words(payload), name)
