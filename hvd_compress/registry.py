@@ -78,6 +78,15 @@ class CodecInfo:
     is NaN on every rank. Codecs that select by value send NaN and inf themselves.
     elementwise: each element is encoded from its own value alone (a cast), so a bucket gives
     the per-tensor result whatever its granularity.
+    masks_momentum: under momentum=nesterov with error feedback, the momentum of every element
+    left with a zero residual (each one sent whole, and any whose value to send was zero) is
+    cleared as it is sent: DGC's momentum factor masking (Lin et al. 2018). Top-k sends an
+    element once its residual has grown large, momentum included; the velocity left behind
+    would push it on in the same direction, stale, until it is sent again (measured on the
+    digits CNN, each tensor alone, momentum 0.9 over 5 seeds: 95.06% without, 97.39% with,
+    uncompressed 96.78%). Not for codecs that send the same elements step after step
+    (threshold): cleared every step, their momentum would be none (measured: MLP 97.22% to
+    95.00%).
     """
 
     name: str
@@ -109,6 +118,7 @@ class CodecInfo:
     rounds: int = 1
     samples: bool = False
     elementwise: bool = False  # each output element from its own input element alone (a cast)
+    masks_momentum: bool = False
 
     def __post_init__(self):
         if not self.strategies:  # the codec's own collective, and for non-linear codecs the
@@ -273,7 +283,7 @@ register(CodecInfo(
     name="topk", kernel_id=6, collective="allgather", aggregation="mean", params=(K_PARAM,),
     wire="[u32 tag][u32 k][i32 indices, ascending][k values, gradient dtype]",
     doc="the k largest magnitudes (ties: lower index first), fixed k per tensor",
-    bits_per_element=lambda isz: 32 + 8 * isz))
+    bits_per_element=lambda isz: 32 + 8 * isz, masks_momentum=True))
 register(CodecInfo(
     name="randomk", kernel_id=7, collective="allreduce", aggregation="mean",
     params=(K_PARAM, Param("rescale", bool, False, "true or false",

@@ -149,6 +149,12 @@ def spec_momentum(config: CompressionConfig) -> tuple[str, float, str] | None:
     return None
 
 
+def masks_momentum(config: CompressionConfig) -> bool:
+    """Whether the spec's momentum is cleared wherever the codec leaves the residual zero
+    (registry.CodecInfo.masks_momentum)."""
+    return config.momentum == "nesterov" and config.ef == "vanilla" and config.info.masks_momentum
+
+
 def sparse_momentum_error(config: CompressionConfig, name: str) -> str:
     """Why a sparse gradient cannot travel under a spec that took the optimizer's momentum."""
     what = config.codec if config.info.replaces_momentum else "momentum=nesterov"

@@ -10,7 +10,7 @@ from helpers import random_grad, t2n
 from hvd_compress.torch import _C
 import hvd_compress as hc
 from hvd_compress import collectives as col
-from hvd_compress.spec import spec_momentum
+from hvd_compress.spec import masks_momentum, spec_momentum
 from hvd_compress.powersgd import PowerSGDState, matrix_shape
 
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
@@ -86,6 +86,8 @@ class Simulation:
             elif cfg.ef == "vanilla":
                 pl, self.e[r] = ref.ef_encode(cfg.codec, x, self.e[r], dtype, prescale=prescale,
                                               seed=seed(r), **fields)
+                if masks_momentum(cfg):
+                    self.m[r][self.e[r] == 0] = 0
             else:
                 pl = ref.encode(cfg.codec, x, dtype, seed=seed(r), prescale=prescale, **fields)
             payloads.append(pl)
@@ -130,6 +132,8 @@ class Simulation:
                 elif cfg.ef == "vanilla":
                     pl, self.e[r][a:b] = ref.ef_encode(cfg.codec, x[a:b], self.e[r][a:b], dtype,
                                                        seed=seed_of(p, info), **f)
+                    if masks_momentum(cfg):
+                        self.m[r][a:b][self.e[r][a:b] == 0] = 0
                 else:
                     pl = ref.encode(cfg.codec, x[a:b], dtype, seed=seed_of(p, info), **f)
                 row.append(pl)

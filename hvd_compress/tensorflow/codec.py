@@ -16,7 +16,7 @@ from ..collectives import (ALLREDUCE, Job, Part, carry_kind, carry_parts, chunk_
                            part_bounds)
 from ..registry import CodecInfo
 from ..seeds import seed_base, seed_name
-from ..spec import CompressionConfig, spec_momentum
+from ..spec import CompressionConfig, masks_momentum, spec_momentum
 from ..state import StateStore
 from .ops import lib
 
@@ -194,7 +194,8 @@ class TFCodec:
             step = tf.constant(0, tf.int64)
         attrs = self.attrs(name, n, fields_step(cfg, step))
         pres = tf.constant(prescale, tf.float64)
-        flat = self._momentum(name, grad, flat)
+        held = {}
+        flat = self._momentum(name, grad, flat, held)
         if info.state_slots:  # the codec's own state stands in for error feedback
             slots = [self._slot(name, kind, grad) for kind in info.state_slots]
             payload, new = lib.hvdc_encode_with_state(flat, [tf.reshape(v, [-1]) for v in slots],
@@ -209,6 +210,7 @@ class TFCodec:
             e.assign(tf.reshape(e_new, grad.shape))
             if info.ef_carry:
                 carry.assign(c_new)
+            self._mask_momentum(held, e_new)
         else:
             payload = lib.hvdc_encode(flat, step, pres, W=wire, **attrs)
         if info.samples:
@@ -234,15 +236,31 @@ class TFCodec:
         m.assign(u)
         return u
 
-    def _momentum(self, name: str, grad, flat):
-        """flat with Nesterov momentum applied when configured (the buffer is updated)."""
+    def _momentum(self, name: str, grad, flat, held: dict | None = None):
+        """flat with Nesterov momentum applied when configured. The buffer is updated, or under
+        spec.masks_momentum, where `held` is given, left to _mask_momentum: one assignment,
+        which a TF1 graph cannot order against a second."""
         if self.config.momentum != "nesterov":
             return flat
         m = self._slot(name, "momentum", grad)
         flat, m_new = lib.hvdc_nesterov(flat, tf.reshape(m, [-1]),
                                         tf.constant(self.config.mu, tf.float64))
-        m.assign(tf.reshape(m_new, grad.shape))
+        if held is not None and masks_momentum(self.config):
+            held["momentum"] = (m, m_new, grad.shape)
+        else:
+            m.assign(tf.reshape(m_new, grad.shape))
         return flat
+
+    @staticmethod
+    def _mask_momentum(held: dict, e) -> None:
+        """The momentum _momentum held back, written cleared where the new residual e is zero
+        (spec.masks_momentum)."""
+        pending = held.pop("momentum", None)
+        if pending is None:
+            return
+        m, m_new, shape = pending
+        kept = tf.where(tf.equal(tf.reshape(e, [-1]), 0), tf.zeros_like(m_new), m_new)
+        m.assign(tf.reshape(kept, shape))
 
     def _carry(self, name: str, parts: int = 1):
         """The sign codecs' lazy residual scales, one per part (a variable), or the empty input
@@ -316,7 +334,7 @@ class TFCodec:
     def prepare(self, job: Job):
         grad = job.extra["grad"]
         check_gradient(grad)
-        return self._momentum(job.name, grad, tf.reshape(grad, [-1]))
+        return self._momentum(job.name, grad, tf.reshape(grad, [-1]), job.extra)
 
     def encode_part(self, job: Job, x, part: Part, info: CodecInfo, state: str | None):
         payload = self._encode_part(job, x, part, info, state)
@@ -552,7 +570,9 @@ class TFCodec:
             if res.settle is not None:
                 res.pieces = [lib.hvdc_ef_settle(e, c, codec=res.settle)[0]
                               for e, c in zip(res.pieces, res.new_carries)]
-            res.var.assign(tf.reshape(tf.concat(res.pieces, 0), res.var.shape))
+            e = tf.concat(res.pieces, 0)
+            res.var.assign(tf.reshape(e, res.var.shape))
+            self._mask_momentum(job.extra, e)
             if res.carry_var is not None:
                 res.carry_var.assign(tf.concat(res.new_carries, 0))
         grad = job.extra["grad"]

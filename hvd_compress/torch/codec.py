@@ -14,7 +14,7 @@ from ..collectives import (ALLREDUCE, COMPRESSED_ALLREDUCE, Job, Part, carry_kin
                            chunk_bounds)
 from ..registry import CodecInfo
 from ..seeds import derive_seed, seed_name
-from ..spec import CompressionConfig, spec_momentum
+from ..spec import CompressionConfig, masks_momentum, spec_momentum
 from ..state import StateStore
 from . import _C
 
@@ -143,8 +143,9 @@ class TorchCodec:
             _C.encode_with_state(info.kernel_id, x, [self._slot(name, s, x) for s in
                                                      info.state_slots], kp, payload)
         elif cfg.ef == "vanilla":
-            _C.ef_encode(info.kernel_id, x, self._slot(name, "ef", x), self._carry(name, x), kp,
-                         payload)
+            e = self._slot(name, "ef", x)
+            _C.ef_encode(info.kernel_id, x, e, self._carry(name, x), kp, payload)
+            self._mask_momentum(name, x, e)
         else:
             _C.encode(info.kernel_id, x, kp, payload)
         if info.samples:
@@ -156,6 +157,17 @@ class TorchCodec:
             # [1, bytes]: ranks whose payload sizes differ fail Horovod's allgather shape check.
             payload = payload.view(torch.uint8).view(1, -1)
         return Encoded(payload, kp, grad.shape, grad.dtype, grad.device)
+
+    def _mask_momentum(self, name: str, like: torch.Tensor, e: torch.Tensor,
+                       part: Part | None = None) -> None:
+        """spec.masks_momentum: the momentum cleared where the residual e (of the part) is
+        zero."""
+        if not masks_momentum(self.config):
+            return
+        m = self._slot(name, "momentum", like).view(-1)
+        if part is not None:
+            m = m[part.start:part.stop]
+        m.masked_fill_(e.view(-1) == 0, 0)
 
     def _carry(self, name: str, like: torch.Tensor, parts: int = 1) -> torch.Tensor:
         size = self.info.ef_carry
@@ -344,12 +356,14 @@ class TorchCodec:
             _C.ef_encode(info.kernel_id, x, e, carry, kp, payload)
             if info.ef_carry:
                 _C.ef_settle(info.kernel_id, e, carry)
+            self._mask_momentum(name, grad, e, part)
         elif state == "worker" and cfg.ef == "vanilla":
             e = self._slot(name, "ef", grad).view(-1)[part.start:part.stop]
             carry = self._carry(name, grad, job.world if chunked else 1)
             size = info.ef_carry
             _C.ef_encode(info.kernel_id, x, e, carry[part.index * size:(part.index + 1) * size],
                          kp, payload)
+            self._mask_momentum(name, grad, e, part)
         elif state == "owner" and cfg.ef == "vanilla":
             e = self.store.slot(name, f"owner_ef[{part.start}:{part.stop}]", x)
             carry = torch.zeros(_C.ef_carry_size(info.kernel_id), device=x.device)

@@ -114,7 +114,7 @@ def test_compressed_allreduce_in_a_graph_equals_simulation():
     assert all(c.stats.collective == c.sim.strategy for c in cases)
 
 
-RESIDUAL_SPECS = ["onebit,ef=vanilla", "topk,k=0.05,ef=vanilla", "efsignsgd",
+RESIDUAL_SPECS = ["onebit,ef=vanilla", "topk,k=0.05,ef=vanilla,momentum=nesterov", "efsignsgd",
                   "minmax8,ef=vanilla,momentum=nesterov", "dithering,s=4,ef=vanilla",
                   "dgc,k=0.05,warmup_steps=2", "threshold,threshold=0.5,ef=vanilla",
                   "bf16,ef=vanilla"]
@@ -132,6 +132,8 @@ def check_residuals(case):
     assert same_bits(worker.reshape(-1), case.sim.e[RANK]), case.spec
     if "dgc_velocity" in state:
         assert same_bits(state["dgc_velocity"].reshape(-1), case.sim.u[RANK]), case.spec
+    if "momentum" in state:  # top-k's masked where each chunk's worker residual is zero
+        assert same_bits(state["momentum"].reshape(-1), case.sim.m[RANK]), case.spec
 
 
 @pytest.mark.parametrize("spec", RESIDUAL_SPECS)

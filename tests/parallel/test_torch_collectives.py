@@ -91,8 +91,9 @@ def test_homomorphic_allreduce_is_unbiased():
     assert torch.all((total / steps - true.double()).abs() <= 6 * gap / (2 * steps ** 0.5))
 
 
-@pytest.mark.parametrize("spec", ["onebit,ef=vanilla", "topk,k=0.05,ef=vanilla", "efsignsgd",
-                                  "minmax8,ef=vanilla,momentum=nesterov", "dithering,s=4,ef=vanilla",
+@pytest.mark.parametrize("spec", ["onebit,ef=vanilla", "topk,k=0.05,ef=vanilla,momentum=nesterov",
+                                  "efsignsgd", "minmax8,ef=vanilla,momentum=nesterov",
+                                  "dithering,s=4,ef=vanilla",
                                   "dgc,k=0.05,warmup_steps=2", "threshold,threshold=0.5,ef=vanilla",
                                   "bf16,ef=vanilla"])
 def test_worker_and_owner_residuals_over_steps_equal_simulation(spec):
@@ -105,6 +106,8 @@ def test_worker_and_owner_residuals_over_steps_equal_simulation(spec):
     assert len(owner) == 1 and np.array_equal(state[owner[0]], sim.owner_e[RANK])
     worker = state["ef" if "ef" in state else "dgc_accumulator"]
     assert same_bits(worker.reshape(-1), sim.e[RANK])
+    if "momentum" in state:  # top-k's masked where each chunk's worker residual is zero
+        assert same_bits(state["momentum"].reshape(-1), sim.m[RANK])
 
 
 def test_float64_and_float16_gradients():

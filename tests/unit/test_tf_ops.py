@@ -5,7 +5,8 @@ import pytest
 import tensorflow as tf
 import torch
 
-from helpers import random_grad
+from helpers import random_grad, same_bits
+import numpy_ref as ref
 import hvd_compress as hc
 from hvd_compress.seeds import seed_base
 from hvd_compress.tensorflow import Compression
@@ -56,6 +57,36 @@ def test_tf_and_torch_give_identical_bytes(spec, dtype):
             da = tfc.aggregate(tf.concat([a.payload, a2.payload], 0), a, 0.5)
             db = thc.aggregate(torch.cat([b.payload, b2.payload]), b, 0.5)
         assert tf_bytes(da) == torch_bytes(db), f"decoded, step {step}"
+    # and the state later steps would send from, which three payloads need not show
+    for kind in ("ef", "momentum"):
+        want = thc.store.peek("layer/w", kind)
+        if want is not None:
+            got = TFAdapter().to_numpy(tfc.store.peek("layer/w", kind)).astype(np.float64)
+            assert np.array_equal(got, want.double().numpy(), equal_nan=True), kind
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "function"])
+def test_masked_momentum_is_the_same_state_in_tf_and_torch(graph):
+    """Top-k under momentum=nesterov clears the momentum of what it sends (DGC's momentum
+    factor masking) in both frontends, traced or not, to the same bits as the oracle."""
+    cfg = hc.parse_spec("topk,k=0.05,ef=vanilla,momentum=nesterov,mu=0.9")
+    tfc = TFCodec(cfg, hc.StateStore(TFAdapter()))
+    thc = TorchCodec(cfg, hc.StateStore(TorchAdapter()))
+    encode = tf.function(lambda g: tfc.encode("w", g).payload) if graph else (
+        lambda g: tfc.encode("w", g).payload)
+    m_ref, e_ref = np.zeros(1000, np.float32), np.zeros(1000, np.float32)
+    for step in range(3):
+        g = random_grad(1000, "float32", seed=step)
+        x, m_ref = ref.nesterov(g.numpy(), m_ref, 0.9, "float32")
+        want, e_ref = ref.ef_encode("topk", x, e_ref, "float32", k=50)
+        cleared = (e_ref == 0) & (m_ref != 0)
+        m_ref[e_ref == 0] = 0
+        assert tf_bytes(encode(tf.constant(g.numpy()))) == want
+        assert torch_bytes(thc.encode("w", g.clone()).payload) == want
+        assert cleared.sum() >= 50 if step == 0 else cleared.any()
+    for frontend in (TFAdapter().to_numpy(tfc.store.peek("w", "momentum")),
+                     thc.store.peek("w", "momentum").numpy()):
+        assert same_bits(frontend.ravel(), m_ref)
 
 
 def test_tf_codec_traces_once_and_keeps_stepping():
