@@ -207,9 +207,11 @@ class Ops(Protocol):
     """The payload's bytes as int32 words: a copy, zero-padded to a whole word, or to the
     larger of own_size()'s summed sizes."""
 
-    def pair_rows(self, payload: Any, summed: Any, rank: int, sizes: Any = None) -> Any: ...
+    def pair_rows(self, payload: Any, sent: Any, summed: Any, rank: int,
+                  sizes: Any = None) -> Any: ...
     """From the sum of two ranks' words(), both payloads in rank order, flat: what an allgather
-    of them returns (the other's of its size in sizes, else of this one's)."""
+    of them returns (the other's of its size in sizes, else of this one's). sent: this rank's
+    words as given to the allreduce, where it left them (torch's sums in place: the sum)."""
 
     def to_half(self, t: Any) -> Any: ...
     def widen(self, t: Any, job: Job) -> Any: ...
@@ -482,8 +484,9 @@ def gather_rows(job: Job, ops: Ops, payload: Any, name: str) -> Plan:
     its allreduce sends both ways at once. Same bytes on the wire, plus up to 3 of padding."""
     if not pair_sum(job):
         return (yield Allgather(payload, name, rows=True))
-    summed = yield Allreduce(ops.words(payload), name)
-    return ops.pair_rows(payload, summed, job.rank)
+    sent = ops.words(payload)
+    summed = yield Allreduce(sent, name)
+    return ops.pair_rows(payload, sent, summed, job.rank)
 
 
 def gather_sized(job: Job, ops: Ops, payload: Any, name: str) -> Plan:
@@ -493,8 +496,9 @@ def gather_sized(job: Job, ops: Ops, payload: Any, name: str) -> Plan:
     if not pair_sum(job):
         return (yield Allgather(payload, name))
     sizes = yield Allreduce(ops.own_size(payload, job.rank), name + ".sizes")
-    summed = yield Allreduce(ops.words(payload, sizes), name)
-    return ops.pair_rows(payload, summed, job.rank, sizes)
+    sent = ops.words(payload, sizes)
+    summed = yield Allreduce(sent, name)
+    return ops.pair_rows(payload, sent, summed, job.rank, sizes)
 
 
 def run_allgather(job: Job, ops: Ops) -> Plan:

@@ -500,12 +500,10 @@ class TFCodec:
         return tf.bitcast(tf.reshape(b, [-1, 4]), tf.int32)
 
     @staticmethod
-    def pair_rows(payload, summed, rank: int, sizes=None):
+    def pair_rows(payload, sent, summed, rank: int, sizes=None):
         own = tf.reshape(payload, [-1])
         m = tf.size(own) if sizes is None else sizes[1 - rank]
-        padded = tf.pad(own, [[0, 4 * tf.size(summed) - tf.size(own)]])
-        words = tf.bitcast(tf.reshape(padded, [-1, 4]), tf.int32)
-        other = tf.reshape(tf.bitcast(summed - words, tf.uint8), [-1])[:m]
+        other = tf.reshape(tf.bitcast(summed - sent, tf.uint8), [-1])[:m]
         return tf.concat([own, other] if rank == 0 else [other, own], 0)
 
     @staticmethod

@@ -289,8 +289,10 @@ class TorchCodec:
         return w
 
     @staticmethod
-    def pair_rows(payload: torch.Tensor, summed: torch.Tensor, rank: int,
+    def pair_rows(payload: torch.Tensor, sent: torch.Tensor, summed: torch.Tensor, rank: int,
                   sizes: torch.Tensor | None = None) -> torch.Tensor:
+        # Horovod summed `sent` in place: this rank's words are gone from it, so they come
+        # from the payload.
         own = payload.contiguous().view(-1).view(torch.uint8)
         n = own.numel()
         m = n if sizes is None else int(sizes[1 - rank])
@@ -302,10 +304,16 @@ class TorchCodec:
             torch.sub(summed[:k], own.view(torch.int32)[:k], out=theirs.view(torch.int32)[:k])
             # past this rank's payload the sum is the other's alone
             theirs[4 * k:].copy_(summed.view(torch.uint8)[4 * k:m])
-        else:  # summed is this plan's own (Horovod summed it in place)
-            words = torch.zeros_like(summed)
-            words.view(torch.uint8)[:n].copy_(own)
-            theirs.copy_(summed.sub_(words).view(torch.uint8)[:m])
+        else:  # summed is this plan's own: this rank's words come off it in place
+            k = n // 4
+            head = own[:4 * k]
+            if k:
+                summed[:k].sub_((head if _whole_words(head) else head.clone()).view(torch.int32))
+            if n % 4:
+                last = torch.zeros(1, dtype=torch.int32, device=own.device)
+                last.view(torch.uint8)[:n % 4].copy_(own[4 * k:])
+                summed[k:k + 1].sub_(last)
+            theirs.copy_(summed.view(torch.uint8)[:m])
         return out
 
     @staticmethod
