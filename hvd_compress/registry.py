@@ -411,10 +411,7 @@ register(CodecInfo(
     rounds=2, scale_free_slots=("powersgd_qt",),
     collective_note="two allreduces per step, P then Q",
     rejects=(("ef=vanilla", "PowerSGD keeps its own residual (error_feedback=true, the "
-              "default); a second one would add it twice"),
-             ("momentum=nesterov", "PowerSGD's two rounds take the gradient as it is, and its "
-              "error feedback trains with the optimizer's own momentum: leave momentum to the "
-              "optimizer"))))
+              "default); a second one would add it twice"),)))
 
 
 _STRATEGY_NAMES = {"allreduce": "allreduce", "allgather": "allgather",

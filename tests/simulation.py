@@ -234,11 +234,23 @@ class PowerSGDSimulation:
         self.name, self.world = name, world
         self.e = None
         self.qt = None
+        self.m = None  # per rank, under momentum=nesterov
         self.step = 0
+
+    def _nesterov(self, grads):
+        """The spec's momentum, before anything else: m = mu*m + g; g = mu*m + g."""
+        if self.cfg.momentum != "nesterov":
+            return grads
+        mu = self.cfg.mu
+        if self.m is None:
+            self.m = [np.zeros_like(g, np.float64) for g in grads]
+        self.m = [mu * m + g for m, g in zip(self.m, grads)]
+        return [mu * m + g for m, g in zip(self.m, grads)]
 
     def __call__(self, grads):
         st, step = self.st, self.step
         self.step += 1
+        grads = self._nesterov(grads)
         mats = [g.reshape(matrix_shape(g.shape)).astype(np.float64) for g in grads]
         if step < st.start_iter or not st.compresses(grads[0].shape):
             return sum(mats) / self.world
@@ -270,9 +282,22 @@ class PowerSGDKernelSimulation(PowerSGDSimulation):
     results bit for bit, where PowerSGDSimulation's float64 arithmetic only comes within a
     tolerance. `e` (per rank) and `qt` are the state the frontends keep."""
 
+    def _nesterov(self, grads):
+        """Rounded to the gradients' dtype at each operation, as the kernel."""
+        if self.cfg.momentum != "nesterov":
+            return grads
+        if self.m is None:
+            self.m = [np.zeros_like(g) for g in grads]
+        out = []
+        for r, g in enumerate(grads):
+            x, self.m[r] = ref.nesterov(g, self.m[r], self.cfg.mu, g.dtype.name)
+            out.append(x)
+        return out
+
     def __call__(self, grads):
         st, step = self.st, self.step
         self.step += 1
+        grads = self._nesterov(grads)
         shape, dtype = grads[0].shape, grads[0].dtype
         if step < st.start_iter or not st.compresses(shape):
             return rank_sum(grads) * dtype.type(1.0 / self.world)  # Horovod's Average

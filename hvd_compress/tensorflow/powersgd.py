@@ -1,6 +1,7 @@
 """PowerSGD for the TensorFlow reducer: the steps of hvd_compress.torch.powersgd (which see),
 on the same kernels as TF ops and under the same state kinds ("ef" per matrix [rows, cols],
-"powersgd_qt" [rank, cols]), so a checkpoint continues in either frontend.
+"powersgd_qt" [rank, cols], and "momentum" under momentum=nesterov, which the reducer applies
+first), so a checkpoint continues in either frontend.
 
 A step's compressed gradients are reduced together: with batch_same_shape, the matrices of one
 shape and dtype (by name, so every rank stacks alike) share each kernel call. Every batch's P

@@ -384,11 +384,18 @@ class Reducer:
                 continue
             opname = "hvdc." + _OP_NAME.sub("_", name)
             if self._kept_plain(grad, name):
-                out[i] = self._plain(grad, opname)
+                out[i] = self._plain(self._plain_momentum(grad, name), opname)
             else:
                 items.append((name, opname, grad))
         if not items:
             return out
+        # The spec's momentum goes before PowerSGD's error feedback, and with its plain
+        # allreduce before start_iter. Touched here, a slot's backup for a rolled-back step is
+        # taken outside the branch.
+        taken = spec_momentum(self.config)
+        if taken is not None:
+            for name, _, grad in items:
+                self.store.slot(name, taken[2], grad)
 
         def record(name, grad, sent_elements):
             if sent_elements is None:
@@ -401,9 +408,13 @@ class Reducer:
 
         # CompressionScheduleCallback flips `enabled`, and hvd.join() leaves ranks out of the
         # step; every rank takes the same branch.
+        def compressed():
+            moved = [(name, opname, self.codec.plain_momentum(name, grad) if taken else grad)
+                     for name, opname, grad in items]
+            return self._by_name(self.powersgd.reduce(moved, self._plain, record), moved)
+
         reduced = tf.cond(
-            tf.logical_and(self.enabled, self._no_rank_joined()),
-            lambda: self._by_name(self.powersgd.reduce(items, self._plain, record), items),
+            tf.logical_and(self.enabled, self._no_rank_joined()), compressed,
             lambda: [self._plain(grad, opname + ".off") for _, opname, grad in items])
         position = {name: i for i, name in enumerate(names)}
         for (name, _, _), g in zip(items, reduced):

@@ -268,6 +268,8 @@ class _CompressedReduction:
             return self._hvdc_plain(p, name, grad)
         nbytes = grad.numel() * grad.element_size()
         world = self.process_set.size()
+        # The spec's momentum goes before the error feedback, as it does before other codecs'.
+        self._hvdc_codec.plain_momentum(name, grad)
         member = self._hvdc_powersgd.start(name, grad, step)
         sent = member.sent_elements * (8 if grad.dtype == torch.float64 else 4)
         self._hvdc_stats.record(name, "powersgd", nbytes, sent, collectives.ALLREDUCE,

@@ -5,7 +5,9 @@ Per parameter, viewing its gradient G as a matrix M (rows = first dimension):
     1. If fewer than `start_iter` steps have run, G is 1-D, or the matrix compresses less than
        `min_compression_rate` (rows*cols / ((rows+cols)*rank)): plain allreduce (Horovod fuses
        these into a few collectives).
-    2. Error feedback: M = G + E, E the residual this rank kept from its last step.
+    2. Error feedback: M = G + E, E the residual this rank kept from its last step. With
+       momentum=nesterov in the spec, G is first m = mu*m + G; G = mu*m + G (the optimizer's
+       own momentum is then 0), in step 1's plain allreduce too.
     3. P = M Q, with Q from the previous step (warm start) or, on a parameter's first
        compressed step or with warm_start off, drawn from the spec's seed: the same on all ranks.
     4. Allreduce P, asynchronously (issued from the backward hook, overlapped with backward).

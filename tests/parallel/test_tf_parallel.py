@@ -78,7 +78,8 @@ def test_tape_error_feedback_and_momentum_equal_simulation(spec):
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "function"])
 @pytest.mark.parametrize("spec", ["topk,k=0.1,ef=vanilla,momentum=nesterov,mu=0.9",
                                   "none,momentum=nesterov,mu=0.5",
-                                  "dgc,k=0.01,momentum_factor=0.6", "onebit,ef=vanilla"])
+                                  "dgc,k=0.01,momentum_factor=0.6", "onebit,ef=vanilla",
+                                  "powersgd,momentum=nesterov,mu=0.5"])
 def test_spec_momentum_reaches_gradients_that_travel_uncompressed(spec, graph):
     """As in torch: the spec's momentum replaces the optimizer's, so a gradient under
     min_compress_bytes gets it before Horovod's allreduce (onebit: the gradient as it is)."""
@@ -190,7 +191,8 @@ POWERSGD = [("powersgd,rank=1,start_iter=0", "float32"),
             ("powersgd,rank=2,start_iter=2,seed=5", "float64"),
             ("powersgd,rank=3,start_iter=0,error_feedback=false", "float64"),
             ("powersgd,rank=2,start_iter=0,warm_start=false,orthogonalization_epsilon=1e-8",
-             "float64")]
+             "float64"),
+            ("powersgd,rank=2,start_iter=2,momentum=nesterov,mu=0.9", "float32")]
 POWERSGD_SHAPES = [(40, 6, 5), (70,), (3, 4)]
 
 
@@ -226,10 +228,13 @@ def test_powersgd_equals_simulation(spec, dtype, graph):
             assert same_bits(g, sim([x.astype(dtype) for x in gs])), f"step {step}"
     codecs = {n: t.codec for n, t in reducer.stats.tensors.items()}
     assert codecs == {"p0": "powersgd", "p1": "none", "p2": "none"}
-    slots = reducer.state_dict()["slots"]["p0"]
-    assert same_bits(slots["powersgd_qt"], sims[0].qt.numpy())
+    slots = reducer.state_dict()["slots"]
+    assert same_bits(slots["p0"]["powersgd_qt"], sims[0].qt.numpy())
     if sims[0].st.error_feedback:
-        assert same_bits(slots["ef"].reshape(40, 30), sims[0].e[RANK].numpy())
+        assert same_bits(slots["p0"]["ef"].reshape(40, 30), sims[0].e[RANK].numpy())
+    if sims[0].cfg.momentum == "nesterov":  # the compressed gradient's and a plain one's
+        for i in (0, 1):
+            assert same_bits(slots[f"p{i}"]["momentum"], sims[i].m[RANK])
 
 
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "function"])

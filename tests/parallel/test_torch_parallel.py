@@ -120,7 +120,8 @@ def test_dgc_equals_simulation_and_leaves_biases_uncompressed_with_its_momentum(
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 @pytest.mark.parametrize("spec", ["topk,k=0.1,ef=vanilla,momentum=nesterov,mu=0.9",
                                   "none,momentum=nesterov,mu=0.5",
-                                  "dgc,k=0.01,momentum_factor=0.6", "onebit,ef=vanilla"])
+                                  "dgc,k=0.01,momentum_factor=0.6", "onebit,ef=vanilla",
+                                  "powersgd,momentum=nesterov,mu=0.5"])
 def test_spec_momentum_reaches_gradients_that_travel_uncompressed(spec, dtype):
     """The spec's momentum replaces the optimizer's (set to 0): a gradient under
     min_compress_bytes still gets it before Horovod's allreduce (onebit: no spec momentum, the
@@ -444,7 +445,8 @@ def test_ranks_with_different_specs_get_an_error():
         single_param_optimizer(spec, 100)
 
 
-@pytest.mark.parametrize("spec", ["onebit,ef=vanilla", "topk,k=0.01,ef=vanilla", "efsignsgd"])
+@pytest.mark.parametrize("spec", ["onebit,ef=vanilla", "topk,k=0.01,ef=vanilla", "efsignsgd",
+                                  "powersgd"])
 def test_optimizer_momentum_after_error_feedback_warns_with_the_fix(spec):
     model = make_model()
     with pytest.warns(UserWarning, match=r"move it into the compression spec: compression=\".*"
@@ -453,8 +455,10 @@ def test_optimizer_momentum_after_error_feedback_warns_with_the_fix(spec):
                                   named_parameters=model.named_parameters(), compression=spec)
 
 
-@pytest.mark.parametrize("spec", ["onebit", "topk,k=0.01", "dgc,k=0.01", "powersgd",
-                                  "onebit,ef=vanilla,momentum=nesterov,mu=0.9"])
+@pytest.mark.parametrize("spec", ["onebit", "topk,k=0.01", "dgc,k=0.01",
+                                  "powersgd,error_feedback=false",
+                                  "onebit,ef=vanilla,momentum=nesterov,mu=0.9",
+                                  "powersgd,momentum=nesterov,mu=0.9"])
 def test_no_momentum_warning_without_error_feedback_or_with_the_fix(spec, recwarn):
     model = make_model()
     hvdc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
@@ -515,7 +519,8 @@ def powersgd_step(params, opt, grads):
     ("powersgd,rank=2,start_iter=2,seed=5", torch.float64),
     ("powersgd,rank=3,start_iter=0,error_feedback=false", torch.float64),
     ("powersgd,rank=2,start_iter=0,warm_start=false,orthogonalization_epsilon=1e-8",
-     torch.float64)])
+     torch.float64),
+    ("powersgd,rank=2,start_iter=2,momentum=nesterov,mu=0.9", torch.float32)])
 def test_powersgd_equals_simulation(spec, dtype):
     """Bit for bit, the reduced gradients and then the state a checkpoint holds (this rank's
     residual, the shared Q): what TF's reducer also gives and keeps."""
@@ -531,10 +536,13 @@ def test_powersgd_equals_simulation(spec, dtype):
             assert same_bits(t2n(g), sim([x.astype(np_dtype) for x in gs])), f"step {step}"
     codecs = {n: t.codec for n, t in opt.compression_stats.tensors.items()}
     assert codecs == {"p0": "powersgd", "p1": "none", "p2": "none"}  # 1-D and 12/(7*r) < 2
-    slots = opt.compression_state_dict()["slots"]["p0"]
-    assert same_bits(slots["powersgd_qt"], t2n(sims[0].qt))
+    slots = opt.compression_state_dict()["slots"]
+    assert same_bits(slots["p0"]["powersgd_qt"], t2n(sims[0].qt))
     if sims[0].st.error_feedback:
-        assert same_bits(slots["ef"].reshape(40, 30), t2n(sims[0].e[RANK]))
+        assert same_bits(slots["p0"]["ef"].reshape(40, 30), t2n(sims[0].e[RANK]))
+    if sims[0].cfg.momentum == "nesterov":  # the compressed gradient's and a plain one's
+        for i in (0, 1):
+            assert same_bits(slots[f"p{i}"]["momentum"], sims[i].m[RANK])
 
 
 # TensorFlow's (H, W, I, O) and PyTorch's (O, I, H, W); test_tf_parallel.py has the same case

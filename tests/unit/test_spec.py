@@ -67,8 +67,6 @@ def test_defaults_filled_and_canonical_round_trip():
     ("dgc,ef=none", "dgc has error feedback built in (it keeps what it did not send)"),
     ("dgc,warmup_steps=1.5", "dgc: warmup_steps must be an integer, got '1.5'"),
     ("powersgd,ef=vanilla", "powersgd with ef=vanilla is refused: PowerSGD keeps its own"),
-    ("powersgd,momentum=nesterov", "powersgd with momentum=nesterov is refused: PowerSGD's two "
-                                   "rounds take the gradient as it is"),
     ("powersgd,rank=0", "powersgd: rank must be an integer >= 1, got 0"),
     ("threshold,threshold=-1", "threshold: threshold must be a number >= 0, got -1.0"),
     ("randomk,rescale=true,ef=vanilla", "randomk with rescale=true,ef=vanilla is refused: error "
@@ -186,6 +184,12 @@ def test_average_factors():
      "topk,k=0.05,ef=vanilla,momentum=nesterov,mu=0.5"),
     ("onebit", 0.9, None), ("randomk,k=0.01", 0.9, None), ("randomk,k=0.01,ef=vanilla", 0, None),
     ("onebit,ef=vanilla,momentum=nesterov", 0.0, None), ("dgc,k=0.01", 0.9, None),
+    # PowerSGD's residual is its error_feedback parameter
+    ("powersgd,rank=2,start_iter=50", 0.9,
+     "powersgd,rank=2,start_iter=50,min_compression_rate=2.0,error_feedback=true,"
+     "warm_start=true,orthogonalization_epsilon=0.0,batch_same_shape=false,"
+     "momentum=nesterov,mu=0.9"),
+    ("powersgd,error_feedback=false", 0.9, None), ("powersgd,momentum=nesterov", 0.9, None),
 ])
 def test_momentum_advice_names_the_spec_that_trains(spec, momentum, fix):
     from hvd_compress.spec import momentum_advice, momentum_fix
@@ -203,6 +207,7 @@ def test_momentum_advice_names_the_spec_that_trains(spec, momentum, fix):
     ("none,momentum=nesterov", ("nesterov", 0.9, "momentum")),
     ("dgc", ("heavy_ball", 0.9, "dgc_velocity")),
     ("dgc,momentum_factor=0.5", ("heavy_ball", 0.5, "dgc_velocity")),
+    ("powersgd,momentum=nesterov,mu=0.5", ("nesterov", 0.5, "momentum")),
     ("onebit,ef=vanilla", None), ("powersgd", None), ("none", None)])
 def test_spec_momentum_names_what_uncompressed_gradients_get(spec, taken):
     from hvd_compress.spec import spec_momentum
