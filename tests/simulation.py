@@ -294,6 +294,12 @@ class PowerSGDKernelSimulation(PowerSGDSimulation):
             out.append(x)
         return out
 
+    def off(self, grads):
+        """A step that compression sits out (the TF reducer's `enabled` off): the spec's
+        momentum and Horovod's average; no step counted."""
+        grads = self._nesterov(grads)
+        return rank_sum(grads) * grads[0].dtype.type(1.0 / self.world)
+
     def __call__(self, grads):
         st, step = self.st, self.step
         self.step += 1

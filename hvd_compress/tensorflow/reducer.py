@@ -259,8 +259,8 @@ class Reducer:
     def _end_step(self, reduced, units=None) -> None:
         """The step's state stays unless a reduced gradient is not finite: then every slot and
         counter it touched is put back (all ranks hold the same reduced gradients, so all
-        decide alike), as a skipped step must leave no trace. Only compressed steps touch
-        state."""
+        decide alike), as a skipped step must leave no trace. A step where a rank is joined
+        touches none."""
         store = self.store
         if not store.touched():
             store.commit()
@@ -274,8 +274,7 @@ class Reducer:
                 self.units.assign(units)
             return tf.constant(False)
 
-        tf.cond(tf.logical_or(finite, tf.logical_not(self.enabled)), lambda: tf.constant(True),
-                roll_back)
+        tf.cond(finite, lambda: tf.constant(True), roll_back)
         store.commit()
 
     def refresh_stats(self) -> CompressionStats:
@@ -390,12 +389,9 @@ class Reducer:
         if not items:
             return out
         # The spec's momentum goes before PowerSGD's error feedback, and with its plain
-        # allreduce before start_iter. Touched here, a slot's backup for a rolled-back step is
-        # taken outside the branch.
+        # allreduce before start_iter and while compression is off.
         taken = spec_momentum(self.config)
-        if taken is not None:
-            for name, _, grad in items:
-                self.store.slot(name, taken[2], grad)
+        off = [self._plain_momentum(grad, name, off_only=True) for name, _, grad in items]
 
         def record(name, grad, sent_elements):
             if sent_elements is None:
@@ -415,7 +411,7 @@ class Reducer:
 
         reduced = tf.cond(
             tf.logical_and(self.enabled, self._no_rank_joined()), compressed,
-            lambda: [self._plain(grad, opname + ".off") for _, opname, grad in items])
+            lambda: [self._plain(g, opname + ".off") for (_, opname, _), g in zip(items, off)])
         position = {name: i for i, name in enumerate(names)}
         for (name, _, _), g in zip(items, reduced):
             out[position[name]] = g
@@ -447,17 +443,23 @@ class Reducer:
                  if g is not None and not isinstance(g, tf.IndexedSlices)}
         inside = {m.name for b in layout for m in b.members}
         steps = self._member_steps([n for n in dense if n in inside])
+        off = ({n: self._plain_momentum(g, n, off_only=True) for n, g in dense.items()
+                if n in inside} if spec_momentum(self.config) is not None else None)
         pieces: dict[str, list] = {}
         for bucket in layout:
             present = [m for m in bucket.members if m.name in dense]
             if not present:
                 continue
-            flat = tf.concat([tf.reshape(dense[m.name], [-1])[m.start:m.stop] for m in present],
-                             0)
+
+            def cat(grads):
+                return tf.concat([tf.reshape(grads[m.name], [-1])[m.start:m.stop]
+                                  for m in present], 0)
             name = bucket.named(present)
             self.codec.view(name, [(m.name, dense[m.name], m.start, m.stop) for m in present])
+            flat = cat(dense)
             reduced = self._reduce_one(flat, name, step=steps.get(present[0].name),
-                                       members=tuple((m.name, m.n) for m in present))
+                                       members=tuple((m.name, m.n) for m in present),
+                                       off=cat(off) if off is not None else flat)
             at = 0
             for m in present:
                 pieces.setdefault(m.name, []).append(reduced[at:at + m.n])
@@ -488,8 +490,9 @@ class Reducer:
         return {name: tf.cond(active, lambda n=name: self.store.next_step(n),
                               lambda: tf.constant(0, tf.int64)) for name in names}
 
-    def _reduce_one(self, grad, name: str, step=None, members: tuple = ()):
-        """`members`: a bucket's, as collectives.Job takes them; empty for a gradient alone."""
+    def _reduce_one(self, grad, name: str, step=None, members: tuple = (), off=None):
+        """`members`: a bucket's, as collectives.Job takes them; empty for a gradient alone.
+        `off`: what a bucket sends while compression is off, its members with their momentum."""
         if grad is None:
             return None
         bucket = bool(members)
@@ -497,6 +500,8 @@ class Reducer:
         nbytes = (grad.shape.num_elements() or 0) * grad.dtype.size
         if self._kept_plain(grad, name, bucket):
             return self._plain(self._plain_momentum(grad, name), opname)
+        if off is None:
+            off = self._plain_momentum(grad, name, off_only=True)
 
         def compressed():
             info, ps = self.codec.info, self.process_set
@@ -537,12 +542,14 @@ class Reducer:
         # CompressionScheduleCallback flips `enabled`, and hvd.join() leaves ranks out of the
         # step; every rank takes the same branch.
         return tf.cond(tf.logical_and(self.enabled, self._no_rank_joined()), compressed,
-                       lambda: self._plain(grad, opname + ".plain"))
+                       lambda: self._plain(off, opname + ".plain"))
 
-    def _plain_momentum(self, grad, name: str):
-        """grad with the spec's momentum (the optimizer's own is 0) where it travels
-        uncompressed, in a step that compresses: one where compression is off or a rank is
-        joined touches no state, as for compressed gradients."""
+    def _plain_momentum(self, grad, name: str, off_only: bool = False):
+        """grad with the spec's momentum where it travels uncompressed. The optimizer's own
+        momentum is 0 under such a spec, so steps that CompressionScheduleCallback keeps
+        uncompressed take it too; a step where a rank is joined touches no state. off_only:
+        only while compression is off, for a gradient whose codec applies the momentum when
+        compressing."""
         taken = spec_momentum(self.config)
         if taken is None or grad.dtype not in DTYPE_NAMES:
             return grad
@@ -550,8 +557,10 @@ class Reducer:
             raise ValueError(sparse_momentum_error(self.config, name))
         # Touched here, the slot's backup for a rolled-back step is taken outside the branch.
         self.store.slot(name, taken[2], grad)
-        return tf.cond(tf.logical_and(self.enabled, self._no_rank_joined()),
-                       lambda: self.codec.plain_momentum(name, grad), lambda: grad)
+        when = self._no_rank_joined()
+        if off_only:
+            when = tf.logical_and(tf.logical_not(self.enabled), when)
+        return tf.cond(when, lambda: self.codec.plain_momentum(name, grad), lambda: grad)
 
     def _no_rank_joined(self):
         """Whether every rank of the set takes part in this step: none waits in hvd.join().

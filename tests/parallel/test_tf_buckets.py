@@ -57,6 +57,23 @@ def test_buckets_equal_the_simulated_bucket(spec, graph):
         oracle.check(model.reduce(grads), oracle(grads), f"{spec} at step {step}")
 
 
+@pytest.mark.parametrize("graph", [False, True] if WORLD == 2 else [True],
+                         ids=["eager", "tf.function"] if WORLD == 2 else ["tf.function"])
+def test_spec_momentum_goes_on_while_compression_is_off(graph):
+    """Under a spec's momentum the optimizer's own is 0, so the steps that
+    CompressionScheduleCallback keeps uncompressed (`enabled` off) give each bucket's members
+    the spec's momentum before Horovod's allreduce, and compression starts from it."""
+    spec = "topk,k=0.05,ef=vanilla,momentum=nesterov"
+    model = Model(spec, graph=graph)
+    oracle = bucket_oracle.BucketOracle(spec, WORLD)
+    for step in range(4):
+        on = step >= 2
+        model.reducer.enabled.assign(on)
+        grads = bucket_oracle.step_grads(step, WORLD)
+        oracle.check(model.reduce(grads), oracle(grads, compressing=on), f"step {step}")
+    assert [m for sim in oracle.sims.values() for m in sim.m if m.any()]  # momentum was kept
+
+
 @pytest.mark.parametrize("spec", ["onebit,ef=vanilla", "topk,k=0.05,ef=vanilla,momentum=nesterov",
                                   "dgc,k=0.05", "randomk,k=0.1,ef=vanilla,seed=3"])
 def test_state_is_per_variable_and_continues_without_buckets(spec):

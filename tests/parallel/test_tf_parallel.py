@@ -99,6 +99,40 @@ def test_spec_momentum_reaches_gradients_that_travel_uncompressed(spec, graph):
         assert same_bits(fn(tf.constant(grads[RANK])).numpy(), sim(grads)), f"step {step}"
 
 
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "function"])
+@pytest.mark.parametrize("spec", ["topk,k=0.1,ef=vanilla,momentum=nesterov,mu=0.9",
+                                  "powersgd,rank=2,start_iter=0,momentum=nesterov,mu=0.9"])
+def test_spec_momentum_goes_on_while_compression_is_off(spec, graph):
+    """The steps that CompressionScheduleCallback keeps uncompressed (`enabled` off): the
+    optimizer's momentum is 0 under the spec, so the gradient takes the spec's momentum before
+    Horovod's allreduce, and compression starts from it (test_tf_buckets.py: a bucket's)."""
+    name = f"off_m{spec.split(',')[0]}_{graph}"
+    var = tf.Variable(tf.zeros([40, 30]), name=name)
+    reducer = hvdt.Reducer(hc.parse_spec(spec), 0, hvd.Average, hvd.global_process_set)
+    run = lambda g: reducer.reduce([g], [var])[0]  # noqa: E731
+    fn = tf.function(run) if graph else run
+    powersgd = spec.startswith("powersgd")
+    sim = (PowerSGDKernelSimulation(spec, name, WORLD) if powersgd
+           else Simulation(spec, 1200, "float32", WORLD, name=name))
+    for step in range(4):
+        on = step >= 2
+        reducer.enabled.assign(on)
+        grads = [g.reshape(40, 30) for g in grads_for_step(1200, "float32", step, WORLD)]
+        if powersgd:
+            want = sim(grads) if on else sim.off(grads)
+        else:
+            sim.plain = not on
+            want = sim([g.reshape(-1) for g in grads]).reshape(40, 30)
+        assert same_bits(fn(tf.constant(grads[RANK])).numpy(), want), f"step {step}"
+    assert same_bits(reducer.state_dict()["slots"][name]["momentum"].reshape(-1),
+                     sim.m[RANK].reshape(-1))
+    # an uncompressed step that is skipped (not finite) leaves the momentum as it was
+    reducer.enabled.assign(False)
+    fn(tf.fill([40, 30], np.float32(np.nan)))
+    assert same_bits(reducer.state_dict()["slots"][name]["momentum"].reshape(-1),
+                     sim.m[RANK].reshape(-1))
+
+
 SPARSE_SPECS = ["threshold,threshold=1.0", "threshold,threshold=0.5,ef=vanilla", "dgc,k=0.01",
                 "dgc,k=0.05,momentum_factor=0.5,clip_norm=20"]
 
