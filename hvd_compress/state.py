@@ -48,6 +48,10 @@ class TensorAdapter(Protocol):
     # True where steps run as traced graphs: a slot made during a step is a variable the trace
     # keeps using, so a rollback resets its value instead of removing it.
     traced: bool
+    # Traced adapters only. scope(): the graph being built, which a conditional's branch has of
+    # its own; restore_if(ran, t, saved): restore() where the tensor `ran` holds.
+    def scope(self) -> Any: ...
+    def restore_if(self, ran: Any, t: Any, saved: Any) -> None: ...
 
 
 class StateStore:
@@ -64,6 +68,10 @@ class StateStore:
         # backups under (name, _COUNTER). None outside a step.
         self._txn: dict[tuple[str, str], Any] | None = None
         self._spares: dict[tuple[str, str], Any] = {}
+        # Traced: the scope the step began in, and what it first touched inside a conditional
+        # branch, whose backup is taken only where that branch runs.
+        self._outer: Any = None
+        self._inner: set = set()
         # The loss scale the gradient-unit state was accumulated at (None: no loss scaling).
         self._units: float | None = None
 
@@ -118,6 +126,11 @@ class StateStore:
         key = (name, kind)
         if self._txn is not None and key not in self._txn:
             self._txn[key] = self._adapter.backup(held, self._spares.get(key))
+            self._note_scope(key)
+
+    def _note_scope(self, key) -> None:
+        if self._adapter.traced and self._adapter.scope() is not self._outer:
+            self._inner.add(key)
 
     def contains(self, name: str, kind: str) -> bool:
         """Whether the slot exists, live or waiting in a loaded checkpoint."""
@@ -143,6 +156,7 @@ class StateStore:
                 self._txn[key] = _Made(pending)
         if self._txn is not None and key not in self._txn:
             self._txn[key] = self._adapter.backup_counter(counter, self._spares.get(key))
+            self._note_scope(key)
         return self._adapter.advance(counter)
 
     # ---- step transactions ------------------------------------------------------------------
@@ -159,6 +173,12 @@ class StateStore:
         if self._txn is not None:
             raise RuntimeError("a compression step is already open; commit() or rollback() it")
         self._txn = {}
+        self._outer = self._adapter.scope() if self._adapter.traced else None
+        self._inner = set()
+
+    def touched_in_branches(self) -> bool:
+        """Whether the open (traced) step first touched state inside a conditional branch."""
+        return bool(self._inner)
 
     def commit(self) -> None:
         """Keep what the open step did (no-op when none is open)."""
@@ -167,13 +187,18 @@ class StateStore:
         self._spares.update((k, v) for k, v in self._txn.items() if not isinstance(v, _Made))
         self._txn = None
 
-    def rollback(self) -> None:
+    def rollback(self, ran: Any = None) -> None:
         """Put every slot and counter the open step touched back as they were before it; slots
         and counters it created are removed (traced frontends: reset), and checkpointed values
-        they had taken wait again (no-op when no step is open)."""
+        they had taken wait again (no-op when no step is open).
+
+        ran (traced): a boolean tensor, whether the branches that touched state inside a
+        conditional ran in this step. Where they did not, their backups were not taken and
+        hold an older step's values, and the state they cover did not change: it is left."""
         txn, self._txn = self._txn, None
         if txn is None:
             return
+        inner, self._inner = self._inner, set()
         units = txn.pop(_UNITS, None)
         for (name, kind), saved in txn.items():
             if kind is _COUNTER:
@@ -182,17 +207,25 @@ class StateStore:
                     if saved.pending is not None:
                         self._pending_steps[name] = saved.pending
                 else:
-                    self._adapter.restore_counter(self._steps[name], saved)
+                    self._restore(self._adapter.restore_counter, self._steps[name], saved,
+                                  (name, kind) in inner, ran)
                     self._spares[name, kind] = saved
             elif isinstance(saved, _Made):
                 del self._slots[name][kind]
                 if saved.pending is not None:
                     self._pending.setdefault(name, {})[kind] = saved.pending
             else:
-                self._adapter.restore(self._slots[name][kind], saved)
+                self._restore(self._adapter.restore, self._slots[name][kind], saved,
+                              (name, kind) in inner, ran)
                 self._spares[name, kind] = saved
         if units is not None:  # last: the waiting slots as they were before the step, whole
             self._units, self._pending = units
+
+    def _restore(self, restore, t: Any, saved: Any, in_branch: bool, ran: Any) -> None:
+        if in_branch and ran is not None:
+            self._adapter.restore_if(ran, t, saved)
+        else:
+            restore(t, saved)
 
     # ---- dynamic loss scaling ---------------------------------------------------------------
     @property

@@ -625,3 +625,12 @@ class TFAdapter:
 
     backup_counter = backup
     restore_counter = restore
+
+    def scope(self):
+        return tf.compat.v1.get_default_graph()
+
+    def restore_if(self, ran, t: tf.Variable, saved: tf.Variable) -> None:
+        def put_back():
+            t.assign(saved)
+            return tf.constant(True)
+        tf.cond(ran, put_back, lambda: tf.constant(False))

@@ -268,8 +268,12 @@ class Reducer:
         finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(
             g.values if isinstance(g, tf.IndexedSlices) else g)) for g in reduced if g is not None])
 
+        # What the compressing branch touched was backed up only where it ran (state.py).
+        ran = (tf.logical_and(self.enabled, self._no_rank_joined())
+               if store.touched_in_branches() else None)
+
         def roll_back():
-            store.rollback()
+            store.rollback(ran)
             if units is not None:
                 self.units.assign(units)
             return tf.constant(False)

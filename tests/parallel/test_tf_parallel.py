@@ -126,11 +126,13 @@ def test_spec_momentum_goes_on_while_compression_is_off(spec, graph):
         assert same_bits(fn(tf.constant(grads[RANK])).numpy(), want), f"step {step}"
     assert same_bits(reducer.state_dict()["slots"][name]["momentum"].reshape(-1),
                      sim.m[RANK].reshape(-1))
-    # an uncompressed step that is skipped (not finite) leaves the momentum as it was
+    # An uncompressed step that is skipped (not finite) leaves the state as it was: the
+    # momentum it touched, and the residual, whose traced backup is taken only when compressing.
     reducer.enabled.assign(False)
     fn(tf.fill([40, 30], np.float32(np.nan)))
-    assert same_bits(reducer.state_dict()["slots"][name]["momentum"].reshape(-1),
-                     sim.m[RANK].reshape(-1))
+    slots = reducer.state_dict()["slots"][name]
+    assert same_bits(slots["momentum"].reshape(-1), sim.m[RANK].reshape(-1))
+    assert same_bits(slots["ef"].reshape(-1), np.asarray(sim.e[RANK]).reshape(-1))
 
 
 SPARSE_SPECS = ["threshold,threshold=1.0", "threshold,threshold=0.5,ef=vanilla", "dgc,k=0.01",

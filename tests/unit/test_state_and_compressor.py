@@ -166,6 +166,53 @@ def test_rollback_restores_touched_slots_and_counters_and_removes_new_ones():
     assert torch.equal(e, torch.full((3,), 2.0))
 
 
+class _TracedAdapter(TorchAdapter):
+    """A traced frontend's bookkeeping on torch tensors: `where` is the graph being built."""
+
+    traced = True
+
+    def __init__(self):
+        self.where = None
+
+    def scope(self):
+        return self.where
+
+    def restore_if(self, ran, t, saved):
+        if ran:  # torch's step counters are lists
+            (self.restore_counter if isinstance(t, list) else self.restore)(t, saved)
+
+
+@pytest.mark.parametrize("ran", [True, False])
+def test_a_traced_rollback_restores_a_branchs_state_only_where_the_branch_ran(ran):
+    """A slot or counter first touched inside a conditional branch is backed up where that
+    branch runs; where it did not run, its backup is an older step's and the state is as the
+    step found it, so the rollback leaves it. What the step touched outside is put back."""
+    a = _TracedAdapter()
+    s = hc.StateStore(a)
+    outer, branch = object(), object()
+    a.where = outer
+    s.begin()
+    m = s.slot("w", "momentum", torch.ones(3))
+    a.where = branch
+    e = s.slot("w", "ef", torch.ones(3))
+    s.next_step("w")
+    a.where = outer
+    s.commit()
+    m.fill_(1.0)
+    e.fill_(2.0)
+    s.begin()
+    s.slot("w", "momentum", m).fill_(5.0)
+    a.where = branch
+    s.slot("w", "ef", e).fill_(6.0)
+    s.next_step("w")
+    a.where = outer
+    assert s.touched_in_branches()
+    s.rollback(ran)
+    assert torch.equal(m, torch.ones(3))
+    assert torch.equal(e, torch.full((3,), 2.0 if ran else 6.0))
+    assert s.state_dict()["steps"] == {"w": 1 if ran else 2}
+
+
 def test_rollback_of_a_first_step_after_a_load_keeps_the_checkpoint_waiting():
     saved = store()
     saved.slot("w", "ef", torch.ones(3)).fill_(4.0)
