@@ -461,9 +461,10 @@ class Reducer:
             name = bucket.named(present)
             self.codec.view(name, [(m.name, dense[m.name], m.start, m.stop) for m in present])
             flat = cat(dense)
+            # built in the branch that sends it: a copy of the bucket, only while it is off
             reduced = self._reduce_one(flat, name, step=steps.get(present[0].name),
                                        members=tuple((m.name, m.n) for m in present),
-                                       off=cat(off) if off is not None else flat)
+                                       off=(lambda: cat(off)) if off is not None else None)
             at = 0
             for m in present:
                 pieces.setdefault(m.name, []).append(reduced[at:at + m.n])
@@ -496,7 +497,8 @@ class Reducer:
 
     def _reduce_one(self, grad, name: str, step=None, members: tuple = (), off=None):
         """`members`: a bucket's, as collectives.Job takes them; empty for a gradient alone.
-        `off`: what a bucket sends while compression is off, its members with their momentum."""
+        `off`: a bucket's members with their momentum as one tensor, made when compression is
+        off (by default the gradient, with the momentum where it is taken alone)."""
         if grad is None:
             return None
         bucket = bool(members)
@@ -505,7 +507,8 @@ class Reducer:
         if self._kept_plain(grad, name, bucket):
             return self._plain(self._plain_momentum(grad, name), opname)
         if off is None:
-            off = self._plain_momentum(grad, name, off_only=True)
+            moved = grad if members else self._plain_momentum(grad, name, off_only=True)
+            off = lambda: moved  # noqa: E731
 
         def compressed():
             info, ps = self.codec.info, self.process_set
@@ -546,7 +549,7 @@ class Reducer:
         # CompressionScheduleCallback flips `enabled`, and hvd.join() leaves ranks out of the
         # step; every rank takes the same branch.
         return tf.cond(tf.logical_and(self.enabled, self._no_rank_joined()), compressed,
-                       lambda: self._plain(off, opname + ".plain"))
+                       lambda: self._plain(off(), opname + ".plain"))
 
     def _plain_momentum(self, grad, name: str, off_only: bool = False):
         """grad with the spec's momentum where it travels uncompressed. The optimizer's own
