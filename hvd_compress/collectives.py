@@ -213,6 +213,11 @@ class Ops(Protocol):
     of them returns (the other's of its size in sizes, else of this one's). sent: this rank's
     words as given to the allreduce, where it left them (torch's sums in place: the sum)."""
 
+    def reduce_pair(self, job: Job, payload: Any, summed: Any, part: Part, info: CodecInfo,
+                    alpha: float) -> Any: ...
+    """What reduce_into gives for both ranks' payloads (codecs with pair_aggregates), from
+    this rank's payload and the sum of both payloads' words(), without gathering them."""
+
     def to_half(self, t: Any) -> Any: ...
     def widen(self, t: Any, job: Job) -> Any: ...
     """A tensor cast to float16, and from float16 to the gradient's dtype
@@ -509,6 +514,12 @@ def run_allgather(job: Job, ops: Ops) -> Plan:
     if info.variable_size:  # the size formula gave the capacity; this is what is sent
         job.wire_bytes = (job.world - 1) * job.payload_bytes
         gathered = yield from gather_sized(job, ops, payload, job.opname)
+    elif info.pair_aggregates and pair_sum(job) and "blob" not in job.extra:
+        # gather_rows' sum, decoded where it lands: the other rank's payload is not written out
+        # and read back (25M elements on one core: 5 ms, against 50 ms for pair_rows and the
+        # aggregation).
+        summed = yield Allreduce(ops.words(payload), job.opname)
+        return ops.finish(job, [ops.reduce_pair(job, payload, summed, part, info, alpha)])
     else:
         gathered = yield from gather_rows(job, ops, payload, job.opname)
     _keep(job, gathered)

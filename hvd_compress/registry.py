@@ -78,6 +78,9 @@ class CodecInfo:
     is NaN on every rank. Codecs that select by value send NaN and inf themselves.
     elementwise: each element is encoded from its own value alone (a cast), so a bucket gives
     the per-tensor result whatever its granularity.
+    pair_aggregates: two ranks' payloads are reduced straight from the int32 sum of their words
+    (the kernels' aggregate_pair: fp16 and bf16), where two Gloo ranks gather by that sum
+    (collectives.gather_rows): the other rank's payload is never written out.
     masks_momentum: under momentum=nesterov with error feedback, the momentum of every element
     left with a zero residual (each one sent whole, and any whose value to send was zero) is
     cleared as it is sent: DGC's momentum factor masking (Lin et al. 2018). Top-k sends an
@@ -119,6 +122,7 @@ class CodecInfo:
     samples: bool = False
     elementwise: bool = False  # each output element from its own input element alone (a cast)
     masks_momentum: bool = False
+    pair_aggregates: bool = False
 
     def __post_init__(self):
         if not self.strategies:  # the codec's own collective, and for non-linear codecs the
@@ -254,13 +258,13 @@ register(CodecInfo(
     wire="float16[n], pre-divided by the world size (overflow guard)",
     doc="cast to IEEE half precision, round to nearest even",
     bits_per_element=lambda isz: 16.0, prescale_average=True, wire_dtype="float16",
-    strategies=("allreduce", "allgather", "compressed_allreduce"),
+    strategies=("allreduce", "allgather", "compressed_allreduce"), pair_aggregates=True,
     collective_note="Horovod's allreduce, but gathered between two ranks over Gloo; "
                     "collective=allgather sums the gathered halves in float32 with our kernels"))
 register(CodecInfo(
     name="bf16", kernel_id=2, collective="allgather", aggregation="mean", params=(),
     wire="bfloat16[n]", doc="cast to bfloat16, round to nearest even",
-    bits_per_element=lambda isz: 16.0, elementwise=True,
+    bits_per_element=lambda isz: 16.0, elementwise=True, pair_aggregates=True,
     collective_note="linear, but Horovod 0.28.1 has no bfloat16 reduction: payloads are "
                     "decoded and summed in float32 by our kernels"))
 register(CodecInfo(

@@ -177,6 +177,67 @@ void decode_none(const T* y, int64_t n, T* out, double alpha, bool acc) {
   }
 }
 
+// 16 wire halves to 16 floats, in two registers of 8.
+template <class W> __attribute__((target("avx2,f16c"))) inline __m256 widen8(__m128i h);
+template <> __attribute__((target("avx2,f16c"))) inline __m256 widen8<half_t>(__m128i h) {
+  return _mm256_cvtph_ps(h);
+}
+template <> __attribute__((target("avx2,f16c"))) inline __m256 widen8<bf16_t>(__m128i h) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// aggregate_pair for float gradients, 16 elements (8 words) at a time: (0 + a * row 0) +
+// a * row 1, as aggregate's accumulation rounds it.
+template <class W>
+__attribute__((target("avx2,f16c"))) int64_t pair16_avx2(const uint16_t* own,
+                                                         const uint32_t* summed, int64_t rank,
+                                                         int64_t n, float* out, float a) {
+  const __m256 va = _mm256_set1_ps(a);
+  const __m256 zero = _mm256_setzero_ps();
+  const bool stream = stream_to(out, 4 * n);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    prefetch_ahead(own + i);
+    prefetch_ahead(summed + i / 2);
+    const __m256i o = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(own + i));
+    const __m256i t = _mm256_sub_epi32(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(summed + i / 2)), o);
+    const __m256i r0 = rank == 0 ? o : t, r1 = rank == 0 ? t : o;
+    for (int h = 0; h < 2; ++h) {
+      const __m128i h0 = h ? _mm256_extracti128_si256(r0, 1) : _mm256_castsi256_si128(r0);
+      const __m128i h1 = h ? _mm256_extracti128_si256(r1, 1) : _mm256_castsi256_si128(r1);
+      const __m256 acc = _mm256_add_ps(_mm256_add_ps(zero, _mm256_mul_ps(va, widen8<W>(h0))),
+                                       _mm256_mul_ps(va, widen8<W>(h1)));
+      if (stream) _mm256_stream_ps(out + i + 8 * h, acc);
+      else _mm256_storeu_ps(out + i + 8 * h, acc);
+    }
+  }
+  if (stream) _mm_sfence();
+  return i;
+}
+
+template <class W, class T>
+void aggregate_pair16(const uint16_t* own, const uint32_t* summed, int64_t rank, int64_t n,
+                      T* out, double alpha) {
+  using A = typename Acc<T>::type;
+  int64_t i = 0;
+  if constexpr (std::is_same_v<T, float>) {
+    if (cpu_has_avx2_f16c())
+      i = pair16_avx2<W>(own, summed, rank, n, out, static_cast<float>(alpha));
+  }
+  const A a = static_cast<A>(alpha);
+  for (; i < n; ++i) {
+    // This rank's word, zero-padded past an odd count as the words summed were.
+    const int64_t lo = i & ~int64_t(1);
+    const uint32_t word = uint32_t(own[lo]) | (lo + 1 < n ? uint32_t(own[lo + 1]) << 16 : 0u);
+    const uint16_t mine = own[i], other = uint16_t((summed[i / 2] - word) >> (16 * (i & 1)));
+    const uint16_t h0 = rank == 0 ? mine : other, h1 = rank == 0 ? other : mine;
+    A acc = A(0) + a * static_cast<A>(from_wire<W>(h0));
+    acc = acc + a * static_cast<A>(from_wire<W>(h1));
+    out[i] = from_acc<T>(acc);
+  }
+}
+
 }  // namespace
 
 int64_t payload_bytes(CodecId c, DType d, int64_t n) {
@@ -224,6 +285,17 @@ void aggregate(CodecId c, DType d, const void* payloads, int64_t ranks, int64_t 
       }
       for (int64_t j = 0; j < len; ++j) o[s + j] = from_acc<T>(accum[j]);
     }
+  });
+}
+
+void aggregate_pair(CodecId c, DType d, const void* own, const int32_t* summed, int64_t rank,
+                    int64_t n, void* out, double alpha) {
+  dispatch_dtype(d, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const auto* h = static_cast<const uint16_t*>(own);
+    const auto* w = reinterpret_cast<const uint32_t*>(summed);
+    if (c == kFP16) aggregate_pair16<half_t>(h, w, rank, n, static_cast<T*>(out), alpha);
+    else aggregate_pair16<bf16_t>(h, w, rank, n, static_cast<T*>(out), alpha);
   });
 }
 

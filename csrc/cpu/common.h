@@ -72,6 +72,8 @@ void encode(CodecId c, DType d, const void* x, int64_t n, const Params& p, void*
 void decode(CodecId c, DType d, const void* payload, int64_t n, void* out, double alpha, bool acc);
 void aggregate(CodecId c, DType d, const void* payloads, int64_t ranks, int64_t stride, int64_t n,
                void* out, double alpha);
+void aggregate_pair(CodecId c, DType d, const void* own, const int32_t* summed, int64_t rank,
+                    int64_t n, void* out, double alpha);
 }  // namespace cast
 namespace sign {
 int64_t payload_bytes(int64_t n);

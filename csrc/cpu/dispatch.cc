@@ -98,6 +98,16 @@ void check_homo(int64_t n, int64_t block, int64_t levels, int64_t lane_ranks, in
                       std::to_string(lane_ranks) + "], got " + std::to_string(summands));
 }
 
+void check_pair(CodecId c, DType d, int64_t rank, int64_t n, const Params& p) {
+  check_common(c, d, n, p);
+  if (!pair_aggregates(c))
+    throw KernelError(std::string("aggregate_pair takes fp16 or bf16 payloads, not ") +
+                      codec_name(c));
+  if (rank != 0 && rank != 1)
+    throw KernelError("aggregate_pair is for two ranks: rank must be 0 or 1, got " +
+                      std::to_string(rank));
+}
+
 }  // namespace
 
 void check_tag(const void* payload, CodecId c, DType d, int64_t rank) {
@@ -118,6 +128,10 @@ void check_tag(const void* payload, CodecId c, DType d, int64_t rank) {
 namespace gpu {
 
 void check_args(CodecId c, DType d, int64_t n, const Params& p) { check_common(c, d, n, p); }
+
+void check_pair_args(CodecId c, DType d, int64_t rank, int64_t n, const Params& p) {
+  check_pair(c, d, rank, n, p);
+}
 
 void homo_check_args(int64_t n, int64_t block, int64_t levels, int64_t lane_ranks,
                      int64_t summands) {
@@ -226,6 +240,14 @@ void aggregate(CodecId c, DType d, const void* payloads, int64_t ranks, int64_t 
   if (c == kDGC) return sparse::dgc_aggregate(d, payloads, ranks, stride, n, p, out, alpha, false);
   throw KernelError(std::string(codec_name(c)) +
                     " payloads are reduced by allreduce, not aggregated locally");
+}
+
+bool pair_aggregates(CodecId c) { return c == kFP16 || c == kBF16Codec; }
+
+void aggregate_pair(CodecId c, DType d, const void* own, const int32_t* summed, int64_t rank,
+                    int64_t n, const Params& p, void* out, double alpha) {
+  check_pair(c, d, rank, n, p);
+  cast::aggregate_pair(c, d, own, summed, rank, n, out, alpha);
 }
 
 int64_t encoded_bytes(CodecId c, DType d, const void* payload, int64_t n, const Params& p) {

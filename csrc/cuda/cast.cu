@@ -91,6 +91,26 @@ __global__ void aggregate16(const uint8_t* base, int64_t ranks, int64_t stride, 
   }
 }
 
+// Two ranks' payloads from the wrapping sum of their words: the other rank's word is
+// summed - own word, and row 0 then row 1 accumulate as aggregate16 does.
+template <class W, class T>
+__global__ void aggregate_pair16(const uint16_t* own, const uint32_t* summed, int64_t rank,
+                                 int64_t n, T* out, double alpha) {
+  using A = typename Acc<T>::type;
+  const A a = static_cast<A>(alpha);
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    // This rank's word, zero-padded past an odd count as the words summed were.
+    const int64_t lo = i & ~int64_t(1);
+    const uint32_t mine = uint32_t(own[lo]) | (lo + 1 < n ? uint32_t(own[lo + 1]) << 16 : 0u);
+    const uint16_t other = uint16_t((summed[i / 2] - mine) >> (16 * (i & 1)));
+    const uint16_t h0 = rank == 0 ? own[i] : other, h1 = rank == 0 ? other : own[i];
+    A sum = A(0) + a * static_cast<A>(from_wire<W>(h0));
+    sum = sum + a * static_cast<A>(from_wire<W>(h1));
+    out[i] = from_acc<T>(sum);
+  }
+}
+
 template <class T> __global__ void add_into_k(const T* x, T* e, int64_t n) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x)
@@ -239,6 +259,23 @@ void aggregate(CodecId c, DType d, const void* payloads, int64_t ranks, int64_t 
                                                                 static_cast<T*>(out), alpha);
   });
   check_launch("cast aggregate");
+}
+
+void aggregate_pair(CodecId c, DType d, const void* own, const int32_t* summed, int64_t rank,
+                    int64_t n, void* out, double alpha, cudaStream_t s) {
+  if (n == 0) return;
+  dispatch_dtype(d, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const auto* h = static_cast<const uint16_t*>(own);
+    const auto* w = reinterpret_cast<const uint32_t*>(summed);
+    if (c == kFP16)
+      aggregate_pair16<half_t, T><<<blocks_for(n), kThreads, 0, s>>>(h, w, rank, n,
+                                                                     static_cast<T*>(out), alpha);
+    else
+      aggregate_pair16<bf16_t, T><<<blocks_for(n), kThreads, 0, s>>>(h, w, rank, n,
+                                                                     static_cast<T*>(out), alpha);
+  });
+  check_launch("cast aggregate_pair");
 }
 
 void add_into(DType d, const void* x, void* e, int64_t n, cudaStream_t s) {

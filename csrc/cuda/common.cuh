@@ -131,6 +131,8 @@ void decode(CodecId c, DType d, const void* payload, int64_t n, void* out, doubl
             cudaStream_t s);
 void aggregate(CodecId c, DType d, const void* payloads, int64_t ranks, int64_t stride, int64_t n,
                void* out, double alpha, cudaStream_t s);
+void aggregate_pair(CodecId c, DType d, const void* own, const int32_t* summed, int64_t rank,
+                    int64_t n, void* out, double alpha, cudaStream_t s);
 void add_into(DType d, const void* x, void* e, int64_t n, cudaStream_t s);
 void nesterov(DType d, void* x, void* m, int64_t n, double mu, cudaStream_t s);
 }  // namespace cast

@@ -179,6 +179,15 @@ void aggregate(CodecId c, DType d, const void* payloads, int64_t ranks, int64_t 
   }
 }
 
+void aggregate_pair(CodecId c, DType d, const void* own, const int32_t* summed, int64_t rank,
+                    int64_t n, const Params& p, void* out, double alpha, void* stream) {
+  check_pair_args(c, d, rank, n, p);
+  if (reinterpret_cast<uintptr_t>(own) % 2 != 0 || reinterpret_cast<uintptr_t>(summed) % 4 != 0)
+    throw KernelError("aggregate_pair needs the payload at an even address and the summed words "
+                      "at a multiple of 4");
+  cast::aggregate_pair(c, d, own, summed, rank, n, out, alpha, as_stream(stream));
+}
+
 int64_t encoded_bytes(CodecId c, DType d, const void* payload, int64_t n, const Params& p,
                       void* stream) {
   check_args(c, d, n, p);

@@ -280,6 +280,41 @@ class AggregateOp : public CodecOp {
   tensorflow::int64 n_ = 0;
 };
 
+// Two ranks' payloads from the int32 sum of their words (hvdc/kernels.h aggregate_pair).
+template <class Launch>
+class AggregatePairOp : public CodecOp {
+ public:
+  explicit AggregatePairOp(OpKernelConstruction* ctx) : CodecOp(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("n", &n_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("rank", &rank_));
+  }
+  void Compute(OpKernelContext* ctx) override {
+    CodecTimer timer;
+    const Tensor& own = ctx->input(0);
+    const Tensor& summed = ctx->input(1);
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({n_}), &out));
+    hvdc::DType d;
+    if (!dtype(ctx, *out, &d)) return;
+    const double alpha = ctx->input(2).scalar<double>()();
+    HVDC_TF_TRY(ctx, {
+      const int64_t want = hvdc::payload_bytes(codec(), d, n_, params_);
+      if (static_cast<int64_t>(own.TotalBytes()) != want)
+        throw hvdc::KernelError("payload has " + std::to_string(own.TotalBytes()) +
+                                " bytes, the codec needs " + std::to_string(want));
+      if (summed.NumElements() != (want + 3) / 4)
+        throw hvdc::KernelError("summed words are " + std::to_string(summed.NumElements()) +
+                                ", the payload fills " + std::to_string((want + 3) / 4));
+      Launch(ctx).aggregate_pair(codec(), d, own.data(),
+                                 static_cast<const int32_t*>(summed.data()), rank_, n_, params_,
+                                 out->data(), alpha);
+    });
+  }
+
+ private:
+  tensorflow::int64 n_ = 0, rank_ = 0;
+};
+
 // Payloads of variable-size codecs (threshold) back to back: a 1-D allgather result.
 template <class Launch>
 class AggregateConcatOp : public CodecOp {
@@ -881,6 +916,18 @@ REGISTER_OP("HvdcAggregate")
     .HVDC_CODEC_ATTRS
     .SetShapeFn(vector_n);
 
+REGISTER_OP("HvdcAggregatePair")
+    .Input("own: W")
+    .Input("summed: int32")
+    .Input("alpha: float64")
+    .Output("out: T")
+    .Attr("T: {float, half, bfloat16, double}")
+    .Attr("W: {half, uint8}")
+    .Attr("n: int")
+    .Attr("rank: int")
+    .HVDC_CODEC_ATTRS
+    .SetShapeFn(vector_n);
+
 REGISTER_OP("HvdcAggregateConcat")
     .Input("gathered: uint8")
     .Input("alpha: float64")
@@ -1095,6 +1142,7 @@ HVDC_TF_CPU("HvdcEncode", EncodeOp<CpuLaunch>);
 HVDC_TF_CPU("HvdcDecode", DecodeOp<CpuLaunch>);
 HVDC_TF_CPU("HvdcAggregate", AggregateOp<CpuLaunch>);
 HVDC_TF_CPU("HvdcAggregateConcat", AggregateConcatOp<CpuLaunch>);
+HVDC_TF_CPU("HvdcAggregatePair", AggregatePairOp<CpuLaunch>);
 HVDC_TF_CPU("HvdcEfEncode", EfEncodeOp<CpuLaunch>);
 HVDC_TF_CPU("HvdcEncodeWithState", EncodeWithStateOp<CpuLaunch>);
 HVDC_TF_CPU("HvdcEfSettle", EfSettleOp<CpuLaunch>);
@@ -1124,6 +1172,8 @@ REGISTER_KERNEL_BUILDER(HVDC_TF_GPU("HvdcDecode").HostMemory("step").HostMemory(
 REGISTER_KERNEL_BUILDER(HVDC_TF_GPU("HvdcAggregate").HostMemory("alpha"), AggregateOp<GpuLaunch>);
 REGISTER_KERNEL_BUILDER(HVDC_TF_GPU("HvdcAggregateConcat").HostMemory("alpha"),
                         AggregateConcatOp<GpuLaunch>);
+REGISTER_KERNEL_BUILDER(HVDC_TF_GPU("HvdcAggregatePair").HostMemory("alpha"),
+                        AggregatePairOp<GpuLaunch>);
 REGISTER_KERNEL_BUILDER(HVDC_TF_GPU("HvdcEfEncode").HostMemory("step").HostMemory("prescale"),
                         EfEncodeOp<GpuLaunch>);
 REGISTER_KERNEL_BUILDER(HVDC_TF_GPU("HvdcEncodeWithState").HostMemory("step"),

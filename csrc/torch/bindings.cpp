@@ -167,6 +167,31 @@ void aggregate(int64_t codec, const at::Tensor& gathered, at::Tensor& out, const
   run_aggregate(w, c, d, gathered, gathered.size(0), gathered.size(1), out, p, alpha);
 }
 
+// Two ranks' payloads from the int32 sum of their words (hvdc/kernels.h aggregate_pair).
+void aggregate_pair(int64_t codec, const at::Tensor& own, const at::Tensor& summed, int64_t rank,
+                    at::Tensor& out, const hvdc::Params& p, double alpha) {
+  const Where w = where_of(out, "output");
+  HVDC_GUARD(w);
+  check_out(out, out, w, "output");
+  const auto d = dtype_of(out, "output");
+  check_payload(own, w, codec, d, out.numel(), p);
+  check_on(summed, w, "summed words");
+  const int64_t words = (own.numel() * own.element_size() + 3) / 4;
+  if (summed.scalar_type() != at::kInt || !summed.is_contiguous() || summed.numel() != words)
+    throw hvdc::KernelError("summed words must be a contiguous int32 vector of " +
+                            std::to_string(words) + " elements, got " +
+                            std::string(c10::toString(summed.scalar_type())) + "[" +
+                            std::to_string(summed.numel()) + "]");
+  const auto c = static_cast<hvdc::CodecId>(codec);
+  const auto* sw = static_cast<const int32_t*>(summed.data_ptr());
+#ifdef HVDC_WITH_CUDA
+  if (w.cuda)
+    return hvdc::gpu::aggregate_pair(c, d, own.data_ptr(), sw, rank, out.numel(), p,
+                                     out.data_ptr(), alpha, w.stream);
+#endif
+  hvdc::aggregate_pair(c, d, own.data_ptr(), sw, rank, out.numel(), p, out.data_ptr(), alpha);
+}
+
 // Payloads of variable-size codecs, back to back in one uint8 vector (Horovod's allgather of
 // 1-D tensors of different lengths).
 void aggregate_concat(int64_t codec, const at::Tensor& gathered, int64_t ranks, at::Tensor& out,
@@ -551,6 +576,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("ef_settle", &ef_settle, G());
   m.def("ef_carry_size", &ef_carry_size);
   m.def("aggregate_concat", &aggregate_concat, G());
+  m.def("aggregate_pair", &aggregate_pair, G());
+  m.def("pair_aggregates", [](int64_t codec) {
+    return hvdc::pair_aggregates(static_cast<hvdc::CodecId>(codec));
+  });
   m.def("powersgd_project", &powersgd_project, G());
   m.def("powersgd_initial_q", &powersgd_initial_q, G());
   m.def("powersgd_orthogonalize", &powersgd_orthogonalize, G());

@@ -466,6 +466,11 @@ class TFCodec:
 
     reduce_into = reduce  # TF ops allocate their outputs
 
+    def reduce_pair(self, job: Job, payload, summed, part: Part, info: CodecInfo, alpha: float):
+        return lib.hvdc_aggregate_pair(tf.reshape(payload, [-1]), summed,
+                                       self._scalar(job, alpha), T=job.extra["grad"].dtype,
+                                       n=part.n, rank=job.rank, **self._part_attrs(part, info))
+
     def decode_part(self, job: Job, payload, part: Part, info: CodecInfo, alpha: float):
         if info.variable_size:
             return self.reduce(job, payload, part, info, 1, alpha)

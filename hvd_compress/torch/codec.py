@@ -436,6 +436,13 @@ class TorchCodec:
                     ranks: int, alpha: float) -> torch.Tensor:
         return self.reduce(job, payloads, part, info, ranks, alpha, self._part_out(job, part))
 
+    def reduce_pair(self, job: Job, payload: torch.Tensor, summed: torch.Tensor, part: Part,
+                    info: CodecInfo, alpha: float) -> torch.Tensor:
+        out = self._part_out(job, part)
+        _C.aggregate_pair(info.kernel_id, payload, summed, job.rank, out,
+                          self._part_params(job, part, info), alpha)
+        return out
+
     def decode_part(self, job: Job, payload: torch.Tensor, part: Part, info: CodecInfo,
                     alpha: float) -> torch.Tensor:
         out = self._part_out(job, part)

@@ -118,6 +118,25 @@ def test_aggregate_equals_cpu(label, kernel, fields, n, dtype):
     assert_same(out_g, out_c, f"{label} aggregate")
 
 
+@pytest.mark.parametrize("dtype", DTYPES + ["float64"])
+@pytest.mark.parametrize("n", [1, 33, 1_000_007])
+@pytest.mark.parametrize("kernel", ["fp16", "bf16"])
+def test_aggregate_pair_equals_cpu(kernel, n, dtype):
+    """Two ranks' payloads reduced from the wrapping sum of their words, on both ranks."""
+    p = params()
+    payloads = [payload_of(kernel, random_grad(n, dtype, seed=r), p) for r in range(2)]
+    raw = [pl.view(torch.uint8) for pl in payloads]
+    words = [torch.cat([b, torch.zeros(-b.numel() % 4, dtype=torch.uint8)]).view(torch.int32)
+             for b in raw]
+    summed = words[0] + words[1]  # int32 addition wraps, as Horovod's sum does
+    for rank in range(2):
+        out_c = torch.empty(n, dtype=random_grad(1, dtype).dtype)
+        out_g = out_c.to(DEV)
+        _C.aggregate_pair(K[kernel], payloads[rank], summed, rank, out_c, p, 0.5)
+        _C.aggregate_pair(K[kernel], payloads[rank].to(DEV), summed.to(DEV), rank, out_g, p, 0.5)
+        assert_same(out_g, out_c, f"{kernel} aggregate_pair rank {rank}")
+
+
 @pytest.mark.parametrize("shift", [1, 2, 4])
 @pytest.mark.parametrize("label,kernel,fields", ALLGATHER, ids=[c[0] for c in ALLGATHER])
 def test_payloads_off_an_8_byte_boundary_equal_cpu(label, kernel, fields, shift):

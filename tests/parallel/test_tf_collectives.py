@@ -182,6 +182,22 @@ def test_linear_codecs_keep_horovods_allreduce():
         assert case.stats.collective == want
 
 
+@pytest.mark.parametrize("graph", [False, True])
+def test_cast_codecs_reduce_from_the_sum_of_both_payloads(graph, monkeypatch):
+    """As in test_torch_collectives: between two ranks over Gloo, fp16 and bf16 are reduced
+    straight from the words' sum (pair_rows is not called), the simulation's bits for every
+    dtype and for lengths with a half-filled last word or not, eagerly and in one graph."""
+    if hvd.gloo_enabled() and WORLD == 2:
+        def refuse(*args, **kwargs):
+            raise AssertionError("the pair's payloads were gathered, not reduced from the sum")
+        monkeypatch.setattr(TFCodec, "pair_rows", staticmethod(refuse))
+    cases = [Case(spec, n, dtype, name=f"c{i}") for i, (spec, n, dtype) in enumerate(
+        (spec, n, dtype) for spec in ("fp16,collective=allgather", "bf16,collective=allgather")
+        for n in (1, LARGE, LARGE + 1) for dtype in TF_DTYPES)]
+    check_against_simulation(cases, steps=2, graph=graph)
+    assert all(c.stats.collective == col.ALLGATHER for c in cases)
+
+
 @pytest.mark.parametrize("nbytes", [1, 3, 4, 1001])
 def test_gathered_rows_equal_horovods_allgather(nbytes):
     """collectives.gather_rows with the TF ops, eager and traced: what Horovod's allgather of

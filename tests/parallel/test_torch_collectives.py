@@ -148,6 +148,22 @@ def test_linear_codecs_keep_horovods_allreduce():
         assert opt.compression_stats.tensors["w"].collective == want
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16", "float64"])
+@pytest.mark.parametrize("spec", ["fp16,collective=allgather", "bf16,collective=allgather"])
+def test_cast_codecs_reduce_from_the_sum_of_both_payloads(spec, dtype, monkeypatch):
+    """fp16 and bf16 gathered between two ranks over Gloo are reduced straight from the sum of
+    both payloads' words (aggregate_pair): the other rank's payload is never written out
+    (pair_rows is not called). The result is the simulation's, bit for bit, for lengths that
+    leave the last word half filled or not; elsewhere they are gathered as any payload."""
+    if hvd.gloo_enabled() and WORLD == 2:
+        def refuse(*args, **kwargs):
+            raise AssertionError("the pair's payloads were gathered, not reduced from the sum")
+        monkeypatch.setattr(TorchCodec, "pair_rows", staticmethod(refuse))
+    for n in SIZES + [64 * WORLD + 38]:
+        opt, sim = check_against_simulation(spec, n, dtype, steps=2)
+        assert opt.compression_stats.tensors["w"].collective == col.ALLGATHER
+
+
 def test_the_simulation_knows_the_transport():
     assert GLOO == hvd.gloo_enabled()
 

@@ -87,6 +87,61 @@ def test_aggregate_matches_reference(codec, ranks, dtype):
         assert same_bits(t2n(out), want)
 
 
+def summed_words(payloads: list[bytes]) -> torch.Tensor:
+    """What Horovod's int32 allreduce of two ranks' words returns: each payload's bytes as
+    little-endian words, the last one zero-padded, added with wrap-around."""
+    words = [np.frombuffer(p + bytes(-len(p) % 4), np.uint32).astype(np.uint64) for p in payloads]
+    return torch.from_numpy((sum(words) % (1 << 32)).astype(np.uint32).view(np.int32).copy())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", LENGTHS)
+@pytest.mark.parametrize("codec", ["fp16", "bf16"])
+def test_aggregate_pair_equals_aggregate_of_both_payloads(codec, n, dtype):
+    """Two ranks that gather by a sum (collectives.gather_rows) reduce from their own payload
+    and the words' sum: each rank gets what aggregate of both payloads in rank order gives (the
+    numpy reference), bit for bit, for odd lengths (a last word half filled), NaN, inf and
+    values that overflow half precision, and words whose sum wraps or carries between halves."""
+    xs = [random_grad(n, dtype, seed=200 + n + r) for r in range(2)]
+    if n > 8:
+        xs[0][:4] = torch.tensor([float("nan"), float("inf"), -1e6, 7e4]).to(xs[0].dtype)
+        xs[1][5:8] = torch.tensor([float("-inf"), -0.0, 1e-30]).to(xs[1].dtype)
+    p = params()
+    payloads = [encode(codec, x, p) for x in xs]
+    raw = [payload_bytes(pl) for pl in payloads]
+    summed = summed_words(raw)
+    for alpha in (0.5, 1.0, -0.25):
+        want = ref.aggregate(codec, raw, n, dtype, alpha)
+        for rank in range(2):
+            out = torch.empty(n, dtype=xs[0].dtype)
+            _C.aggregate_pair(ID[codec], payloads[rank], summed, rank, out, p, alpha)
+            assert same_bits(t2n(out), want), f"rank {rank} alpha {alpha}"
+
+
+def test_aggregate_pair_refuses_what_it_cannot_reduce():
+    x = random_grad(10, "float32")
+    p = params()
+    own = encode("fp16", x, p)
+    summed = torch.zeros(5, dtype=torch.int32)
+    out = torch.empty(10)
+    sign = encode("onebit", x, p)
+    with pytest.raises(ValueError, match="takes fp16 or bf16 payloads, not onebit"):
+        _C.aggregate_pair(ID["onebit"], sign, torch.zeros(-(-sign.numel() // 4), dtype=torch.int32),
+                          0, out, p, 1.0)
+    with pytest.raises(ValueError, match="rank must be 0 or 1, got 2"):
+        _C.aggregate_pair(ID["fp16"], own, summed, 2, out, p, 1.0)
+    with pytest.raises(ValueError, match="int32 vector of 5 elements, got Int\\[4\\]"):
+        _C.aggregate_pair(ID["fp16"], own, summed[:4], 0, out, p, 1.0)
+    with pytest.raises(ValueError, match="payload has 20 bytes, the codec needs 18"):
+        _C.aggregate_pair(ID["fp16"], own, summed, 0, out[:9], p, 1.0)
+
+
+def test_the_registry_names_the_codecs_that_pair_aggregate():
+    from hvd_compress.registry import codecs
+    for info in codecs():
+        assert info.pair_aggregates == _C.pair_aggregates(info.kernel_id), info.name
+
+
 def test_signsgd_is_a_majority_vote():
     xs = [torch.tensor([1.0, -1.0, 1.0, -1.0]), torch.tensor([1.0, -1.0, -1.0, 1.0]),
           torch.tensor([-1.0, -1.0, 1.0, 1.0])]

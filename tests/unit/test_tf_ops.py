@@ -224,3 +224,30 @@ def test_powersgd_ops_are_the_torch_kernels(dtype):
         _C.powersgd_reconstruct(p_th, q_th, out_th, alpha, subtract)
         assert [tf_bytes(o) for o in out_tf] == [torch_bytes(o) for o in out_th], subtract
 
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float64"])
+@pytest.mark.parametrize("codec", ["fp16", "bf16"])
+def test_tf_aggregate_pair_gives_the_torch_kernels_bytes(codec, dtype):
+    """The op that reduces two ranks' payloads from their words' sum (hvdc_aggregate_pair)
+    returns the torch kernel's bytes on both ranks, for an odd length (half a last word)."""
+    from hvd_compress.tensorflow.ops import lib
+    n, kid = 1001, hc.get_codec(codec).kernel_id
+    p = _C.Params()
+    payloads = []
+    for r in range(2):
+        pl = _C.new_payload(kid, random_grad(n, dtype, seed=r), p)
+        _C.encode(kid, random_grad(n, dtype, seed=r), p, pl)
+        payloads.append(pl)
+    padded = [np.frombuffer(torch_bytes(pl) + bytes(2), np.uint32).astype(np.uint64)
+              for pl in payloads]
+    summed = ((padded[0] + padded[1]) % (1 << 32)).astype(np.uint32).view(np.int32)
+    for rank in range(2):
+        want = torch.empty(n, dtype=random_grad(1, dtype).dtype)
+        _C.aggregate_pair(kid, payloads[rank], torch.from_numpy(summed.copy()), rank, want, p, 0.5)
+        raw = torch_bytes(payloads[rank])
+        own = (tf.constant(np.frombuffer(raw, np.float16)) if codec == "fp16"
+               else tf.constant(np.frombuffer(raw, np.uint8)))
+        got = lib.hvdc_aggregate_pair(own, tf.constant(summed), tf.constant(0.5, tf.float64),
+                                      T=TF_DTYPES[dtype], n=n, rank=rank, codec=kid)
+        assert tf_bytes(got) == torch_bytes(want)

@@ -32,6 +32,10 @@ void aggregate(CodecId codec, DType dtype, const void* payloads, int64_t ranks, 
                int64_t n, const Params& p, void* out, double alpha, void* stream);
 int64_t encoded_bytes(CodecId codec, DType dtype, const void* payload, int64_t n,
                       const Params& p, void* stream);
+// own: this rank's payload; summed: the words' sum (int32, 4-byte aligned); see hvdc/kernels.h.
+void aggregate_pair(CodecId codec, DType dtype, const void* own, const int32_t* summed,
+                    int64_t rank, int64_t n, const Params& p, void* out, double alpha,
+                    void* stream);
 // carry: ef_carry_size(codec) floats in device memory.
 void ef_encode(CodecId codec, DType dtype, const void* x, void* e, float* carry, int64_t n,
                const Params& p, void* payload, void* stream);
@@ -67,6 +71,8 @@ void powersgd_reconstruct(DType dtype, const void* p, const void* qt, int64_t ba
 // The argument checks of the CPU entry points (hvdc/kernels.h), for the CUDA ones
 // (csrc/cpu/dispatch.cc).
 void check_args(CodecId codec, DType dtype, int64_t n, const Params& p);
+// The checks of the CPU aggregate_pair (codec fp16 or bf16, rank 0 or 1).
+void check_pair_args(CodecId codec, DType dtype, int64_t rank, int64_t n, const Params& p);
 // The checks the CPU kernels make on a received payload's first 16 bytes (tag, and k, chunk or
 // levels where the codec records them), with the same messages.
 void check_header(CodecId codec, DType dtype, const uint8_t* header, const Params& p, int64_t rank);

@@ -80,6 +80,15 @@ int64_t encoded_bytes(CodecId codec, DType dtype, const void* payload, int64_t n
 void aggregate(CodecId codec, DType dtype, const void* payloads, int64_t ranks, int64_t stride,
                int64_t n, const Params& p, void* out, double alpha);
 
+// Two ranks' fp16 or bf16 payloads reduced from the int32 sum (wrapping) of their words, as
+// two-rank Gloo jobs gather them (hvd_compress.collectives.gather_rows): `own` is this rank's
+// payload, `summed` the sum of both payloads' bytes as little-endian int32 words (the last one
+// zero-padded), `rank` 0 or 1. The other payload is summed - own, word by word, decoded in the
+// same pass: out equals aggregate() of the two payloads in rank order, bit for bit.
+bool pair_aggregates(CodecId codec);
+void aggregate_pair(CodecId codec, DType dtype, const void* own, const int32_t* summed,
+                    int64_t rank, int64_t n, const Params& p, void* out, double alpha);
+
 // Error feedback around any codec, one call: p = x + e; payload = C(p); e = p - D(payload).
 //
 // Codecs with ef_carry_size() > 0 (the sign family) keep the residual lazily so that one pass
