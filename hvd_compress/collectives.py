@@ -203,11 +203,12 @@ class Ops(Protocol):
     def own_size(self, payload: Any, rank: int) -> Any: ...
     """int32 [2]: the payload's bytes at index rank, 0 at the other (summed: both sizes)."""
 
-    def words(self, payload: Any, sizes: Any = None) -> Any: ...
+    def words(self, job: Job, payload: Any, sizes: Any = None) -> Any: ...
     """The payload's bytes as int32 words: a copy, zero-padded to a whole word, or to the
-    larger of own_size()'s summed sizes."""
+    larger of own_size()'s summed sizes. The frontend may keep its buffer for the job's next
+    step (torch does), as it may pair_rows' result."""
 
-    def pair_rows(self, payload: Any, sent: Any, summed: Any, rank: int,
+    def pair_rows(self, job: Job, payload: Any, sent: Any, summed: Any, rank: int,
                   sizes: Any = None) -> Any: ...
     """From the sum of two ranks' words(), both payloads in rank order, flat: what an allgather
     of them returns (the other's of its size in sizes, else of this one's). sent: this rank's
@@ -489,9 +490,9 @@ def gather_rows(job: Job, ops: Ops, payload: Any, name: str) -> Plan:
     its allreduce sends both ways at once. Same bytes on the wire, plus up to 3 of padding."""
     if not pair_sum(job):
         return (yield Allgather(payload, name, rows=True))
-    sent = ops.words(payload)
+    sent = ops.words(job, payload)
     summed = yield Allreduce(sent, name)
-    return ops.pair_rows(payload, sent, summed, job.rank)
+    return ops.pair_rows(job, payload, sent, summed, job.rank)
 
 
 def gather_sized(job: Job, ops: Ops, payload: Any, name: str) -> Plan:
@@ -501,9 +502,9 @@ def gather_sized(job: Job, ops: Ops, payload: Any, name: str) -> Plan:
     if not pair_sum(job):
         return (yield Allgather(payload, name))
     sizes = yield Allreduce(ops.own_size(payload, job.rank), name + ".sizes")
-    sent = ops.words(payload, sizes)
+    sent = ops.words(job, payload, sizes)
     summed = yield Allreduce(sent, name)
-    return ops.pair_rows(payload, sent, summed, job.rank, sizes)
+    return ops.pair_rows(job, payload, sent, summed, job.rank, sizes)
 
 
 def run_allgather(job: Job, ops: Ops) -> Plan:
@@ -518,7 +519,7 @@ def run_allgather(job: Job, ops: Ops) -> Plan:
         # gather_rows' sum, decoded where it lands: the other rank's payload is not written out
         # and read back (25M elements on one core: 5 ms, against 50 ms for pair_rows and the
         # aggregation).
-        summed = yield Allreduce(ops.words(payload), job.opname)
+        summed = yield Allreduce(ops.words(job, payload), job.opname)
         return ops.finish(job, [ops.reduce_pair(job, payload, summed, part, info, alpha)])
     else:
         gathered = yield from gather_rows(job, ops, payload, job.opname)

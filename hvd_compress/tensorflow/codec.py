@@ -498,14 +498,14 @@ class TFCodec:
         return tf.scatter_nd([[rank]], tf.reshape(tf.size(payload), [1]), [2])
 
     @staticmethod
-    def words(payload, sizes=None):
+    def words(job: Job, payload, sizes=None):
         b = tf.reshape(payload, [-1])
         nbytes = tf.size(b) if sizes is None else tf.reduce_max(sizes)
         b = tf.pad(b, [[0, nbytes - tf.size(b) + -nbytes % 4]])
         return tf.bitcast(tf.reshape(b, [-1, 4]), tf.int32)
 
     @staticmethod
-    def pair_rows(payload, sent, summed, rank: int, sizes=None):
+    def pair_rows(job: Job, payload, sent, summed, rank: int, sizes=None):
         own = tf.reshape(payload, [-1])
         m = tf.size(own) if sizes is None else sizes[1 - rank]
         other = tf.reshape(tf.bitcast(summed - sent, tf.uint8), [-1])[:m]

@@ -158,7 +158,7 @@ def test_cast_codecs_reduce_from_the_sum_of_both_payloads(spec, dtype, monkeypat
     if hvd.gloo_enabled() and WORLD == 2:
         def refuse(*args, **kwargs):
             raise AssertionError("the pair's payloads were gathered, not reduced from the sum")
-        monkeypatch.setattr(TorchCodec, "pair_rows", staticmethod(refuse))
+        monkeypatch.setattr(TorchCodec, "pair_rows", refuse)
     for n in SIZES + [64 * WORLD + 38]:
         opt, sim = check_against_simulation(spec, n, dtype, steps=2)
         assert opt.compression_stats.tensors["w"].collective == col.ALLGATHER
@@ -178,7 +178,8 @@ def test_gathered_rows_equal_horovods_allgather(nbytes):
     job = col.Job(name="rows", n=nbytes, itemsize=1, config=hc.parse_spec("bf16"), rank=RANK,
                   world=WORLD, average=True, opname=f"rows.{nbytes}", gloo=hvd.gloo_enabled())
     asked = []
-    got = PendingPlan(_recorded(col.gather_rows(job, TorchCodec, payload.clone(), job.opname),
+    codec = TorchCodec(job.config, None, RANK, WORLD)
+    got = PendingPlan(_recorded(col.gather_rows(job, codec, payload.clone(), job.opname),
                                 asked), {None: hvd.global_process_set})()
     want = hvd.allgather(payload.view(1, -1), name=f"rows_check.{nbytes}").view(-1)
     assert torch.equal(got.view(-1), want)
@@ -208,7 +209,8 @@ def test_sized_gathers_equal_horovods_allgather(base):
                   rank=RANK, world=WORLD, average=True, opname=f"sized.{base}",
                   gloo=hvd.gloo_enabled())
     asked = []
-    got = PendingPlan(_recorded(col.gather_sized(job, TorchCodec, payload.clone(), job.opname),
+    codec = TorchCodec(job.config, None, RANK, WORLD)
+    got = PendingPlan(_recorded(col.gather_sized(job, codec, payload.clone(), job.opname),
                                 asked), {None: hvd.global_process_set})()
     want = hvd.allgather(payload, name=f"sized_check.{base}")
     assert torch.equal(got, want)

@@ -105,30 +105,41 @@ def test_fp16_gathers_by_sum_only_between_two_ranks_over_gloo():
     assert col.choose(job("randomk", 1 << 20, 2, gloo=True)) == col.ALLREDUCE
 
 
+def pair_codecs(spec):
+    """Each rank's frontend codec, as in two processes: the buffers it keeps are its own."""
+    return [TorchCodec(hc.parse_spec(spec), None, rank=r, world=2) for r in range(2)]
+
+
 @pytest.mark.parametrize("offset", [0, 1])
 @pytest.mark.parametrize("nbytes", [1, 2, 3, 4, 5, 1001, 4096])
 def test_gather_rows_by_sum_returns_both_payloads(nbytes, offset):
     """Two ranks' gather_rows plans driven together, the allreduce done as Horovod's int32 sum
     (wrapping): every rank gets both random payloads in rank order, bit for bit, whole words or
-    not, at an address of a whole word or not (offset). Elsewhere the plan asks for the
-    allgather itself."""
+    not, at an address of a whole word or not (offset), in two steps through the buffers the
+    first one left (torch keeps them). Elsewhere the plan asks for the allgather itself."""
     gen = torch.Generator().manual_seed(nbytes)
-    payloads = [torch.randint(0, 256, (offset + nbytes,), dtype=torch.uint8,
-                              generator=gen)[offset:] for _ in range(2)]
-    plans = [col.gather_rows(job("bf16", nbytes, 2, rank=r, gloo=True), TorchCodec,
-                             payloads[r], "w") for r in range(2)]
-    asked = [next(p) for p in plans]
-    assert all(isinstance(a, col.Allreduce) and a.tensor.dtype == torch.int32 for a in asked)
-    summed = asked[0].tensor + asked[1].tensor
-    got = []
-    for p in plans:
-        with pytest.raises(StopIteration) as done:
-            p.send(summed.clone())
-        got.append(done.value.value)
-    want = torch.cat(payloads)
-    assert all(torch.equal(g, want) for g in got)
+    codecs = pair_codecs("bf16")
+    kept = None
+    for _ in range(2):
+        payloads = [torch.randint(0, 256, (offset + nbytes,), dtype=torch.uint8,
+                                  generator=gen)[offset:] for _ in range(2)]
+        plans = [col.gather_rows(job("bf16", nbytes, 2, rank=r, gloo=True), codecs[r],
+                                 payloads[r], "w") for r in range(2)]
+        asked = [next(p) for p in plans]
+        assert all(isinstance(a, col.Allreduce) and a.tensor.dtype == torch.int32 for a in asked)
+        summed = asked[0].tensor + asked[1].tensor
+        got = []
+        for p in plans:
+            with pytest.raises(StopIteration) as done:
+                p.send(summed.clone())
+            got.append(done.value.value)
+        want = torch.cat(payloads)
+        assert all(torch.equal(g, want) for g in got)
+        kept = kept or [g.data_ptr() for g in got]
+        assert [g.data_ptr() for g in got] == kept
     for world, gloo in ((2, False), (3, True)):
-        plan = col.gather_rows(job("bf16", nbytes, world, gloo=gloo), TorchCodec, payloads[0], "w")
+        plan = col.gather_rows(job("bf16", nbytes, world, gloo=gloo), codecs[0], payloads[0],
+                               "w")
         assert isinstance(next(plan), col.Allgather)
 
 
@@ -136,24 +147,28 @@ def test_gather_rows_by_sum_returns_both_payloads(nbytes, offset):
 def test_gather_sized_by_sum_returns_both_payloads(sizes):
     """Threshold's payloads differ in size by rank: between two ranks over Gloo, a sum of both
     sizes first, then of the words of both payloads padded to the larger; every rank gets both
-    payloads, back to back in rank order, bit for bit."""
+    payloads, back to back in rank order, bit for bit, in a first step and in a second whose
+    payloads are larger (the kept buffers grow) or smaller."""
     gen = torch.Generator().manual_seed(sum(sizes))
-    payloads = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen) for n in sizes]
-    first = [col.gather_sized(job("threshold", 64, 2, rank=r, gloo=True), TorchCodec,
-                              payloads[r], "w") for r in range(2)]
-    asked = [next(p) for p in first]
-    assert all(a.name == "w.sizes" for a in asked)
-    sizes_sum = asked[0].tensor + asked[1].tensor
-    assert sizes_sum.tolist() == list(sizes)
-    second = [p.send(sizes_sum.clone()) for p in first]
-    summed = second[0].tensor + second[1].tensor
-    assert 4 * summed.numel() == -(-max(sizes) // 4) * 4
-    want = torch.cat(payloads)
-    for p in first:
-        with pytest.raises(StopIteration) as done:
-            p.send(summed.clone())
-        assert torch.equal(done.value.value, want)
-    plan = col.gather_sized(job("threshold", 64, 2), TorchCodec, payloads[0], "w")
+    codecs = pair_codecs("threshold")
+    for step_sizes in (sizes, tuple(n + 37 for n in sizes), tuple(n // 2 for n in sizes)):
+        payloads = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen)
+                    for n in step_sizes]
+        first = [col.gather_sized(job("threshold", 64, 2, rank=r, gloo=True), codecs[r],
+                                  payloads[r], "w") for r in range(2)]
+        asked = [next(p) for p in first]
+        assert all(a.name == "w.sizes" for a in asked)
+        sizes_sum = asked[0].tensor + asked[1].tensor
+        assert sizes_sum.tolist() == list(step_sizes)
+        second = [p.send(sizes_sum.clone()) for p in first]
+        summed = second[0].tensor + second[1].tensor
+        assert 4 * summed.numel() == -(-max(step_sizes) // 4) * 4
+        want = torch.cat(payloads)
+        for p in first:
+            with pytest.raises(StopIteration) as done:
+                p.send(summed.clone())
+            assert torch.equal(done.value.value, want)
+    plan = col.gather_sized(job("threshold", 64, 2), codecs[0], payloads[0], "w")
     assert isinstance(next(plan), col.Allgather)
 
 
