@@ -81,20 +81,22 @@ void encode(CodecId c, DType d, const void* x, int64_t n, const Params& p, void*
 void decode(CodecId c, DType d, const void* payload, int64_t n, void* out, double alpha, bool acc);
 void aggregate(CodecId c, DType d, const void* payloads, int64_t ranks, int64_t stride, int64_t n,
                void* out, double alpha);
-void ef_encode(CodecId c, DType d, const void* x, void* e, float* carry, int64_t n,
-               const Params& p, void* payload);
+void ef_encode(CodecId c, DType d, const void* x, const void* e_in, void* e, float* carry,
+               int64_t n, const Params& p, void* payload);
 void ef_settle(DType d, void* e, float* carry, int64_t n);
 }  // namespace sign
 namespace topk {
 int64_t payload_bytes(DType d, int64_t k);
 void encode(DType d, const void* x, int64_t n, const Params& p, void* payload);
-// e = x + e, then encode(e): in one pass over memory where the generic path takes two.
-void ef_accumulate_encode(DType d, const void* x, void* e, int64_t n, const Params& p,
-                          void* payload);
+// e = x + e_in (e_in may be e), then encode(e): in one pass over memory where the generic path
+// takes two.
+void ef_accumulate_encode(DType d, const void* x, const void* e_in, void* e, int64_t n,
+                          const Params& p, void* payload);
 // Appends the i with key_of(x[i]) >= t to out, ascending; with e given, the i with
-// key_of(e[i]) >= t over e = x + e as it writes it. AVX2 where the CPU has it (DGC's candidate
-// pass uses it too).
-void collect_at_least(const float* x, float* e, int64_t n, uint32_t t, std::vector<int32_t>& out);
+// key_of(e[i]) >= t over e = x + e_in as it writes it. AVX2 where the CPU has it (DGC's
+// candidate pass uses it too).
+void collect_at_least(const float* x, const float* e_in, float* e, int64_t n, uint32_t t,
+                      std::vector<int32_t>& out);
 // The top k by (key descending, index ascending) when only the ascending indices `nonzero`
 // (fewer than k) have a key above 0: those and the lowest indices of the zeros, ascending, to
 // idx. A gradient that is mostly zeros (an embedding's unused rows) is then never collected or
@@ -142,8 +144,8 @@ int64_t threshold_capacity(DType d, int64_t n);
 int64_t threshold_used(DType d, const void* payload);
 void threshold_encode(DType d, const void* x, int64_t n, const Params& p, void* payload);
 // e = x + e, then threshold_encode(e), in one pass over memory (as top-k's).
-void threshold_ef_accumulate_encode(DType d, const void* x, void* e, int64_t n, const Params& p,
-                                    void* payload);
+void threshold_ef_accumulate_encode(DType d, const void* x, const void* e_in, void* e, int64_t n,
+                                    const Params& p, void* payload);
 void threshold_aggregate(DType d, const void* payloads, int64_t ranks, int64_t total, int64_t n,
                          void* out, double alpha, bool acc);
 int64_t dgc_payload_bytes(DType d, int64_t k);

@@ -286,24 +286,25 @@ void ef_settle(CodecId c, DType d, void* e, float* carry, int64_t n) {
   if (is_sign(c)) sign::ef_settle(d, e, carry, n);
 }
 
-void ef_encode(CodecId c, DType d, const void* x, void* e, float* carry, int64_t n,
-               const Params& p, void* payload) {
+void ef_encode(CodecId c, DType d, const void* x, const void* e_in, void* e, float* carry,
+               int64_t n, const Params& p, void* payload) {
   check_common(c, d, n, p);
   if (!(p.prescale > 0.0))
     throw KernelError("prescale must be > 0, got " + std::to_string(p.prescale));
   if (ef_carry_size(c) && carry == nullptr)
     throw KernelError(std::string(codec_name(c)) + ": error feedback needs its carry slot");
-  if (is_sign(c)) return sign::ef_encode(c, d, x, e, carry, n, p, payload);
+  if (is_sign(c)) return sign::ef_encode(c, d, x, e_in, e, carry, n, p, payload);
   if (c == kTopK) {
-    topk::ef_accumulate_encode(d, x, e, n, p, payload);
+    topk::ef_accumulate_encode(d, x, e_in, e, n, p, payload);
   } else if (c == kThreshold) {
-    sparse::threshold_ef_accumulate_encode(d, x, e, n, p, payload);
+    sparse::threshold_ef_accumulate_encode(d, x, e_in, e, n, p, payload);
   } else {
     dispatch_dtype(d, [&](auto* tag) {
       using T = std::remove_pointer_t<decltype(tag)>;
       const T* xs = static_cast<const T*>(x);
+      const T* ein = static_cast<const T*>(e_in);
       T* es = static_cast<T*>(e);
-      for (int64_t i = 0; i < n; ++i) es[i] = ef_sum(xs[i], es[i]);
+      for (int64_t i = 0; i < n; ++i) es[i] = ef_sum(xs[i], ein[i]);
     });
     encode(c, d, e, n, p, payload);
   }

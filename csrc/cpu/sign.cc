@@ -81,10 +81,11 @@ __attribute__((target("avx2"))) double encode_f32_avx2(const float* x, int64_t n
 }
 
 // One pass of lazy error feedback: the residual e = q - (q < 0 ? -s : s) of the previous step is
-// formed from q (held in e) and its scale s, then p = x + e is stored back into e, packed and
-// summed. Each value is rounded to float exactly where the eager definition rounds it.
-__attribute__((target("avx2"))) double ef_pass_f32_avx2(const float* x, float* e, float s,
-                                                        int64_t n, uint64_t* words) {
+// formed from q (held in e_in) and its scale s, then p = x + e is stored into e (which may be
+// e_in), packed and summed. Each value is rounded to float exactly where the eager definition rounds it.
+__attribute__((target("avx2"))) double ef_pass_f32_avx2(const float* x, const float* e_in,
+                                                        float* e, float s, int64_t n,
+                                                        uint64_t* words) {
   __m256d acc[4] = {_mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd(),
                     _mm256_setzero_pd()};
   const __m256 zero = _mm256_setzero_ps();
@@ -93,10 +94,10 @@ __attribute__((target("avx2"))) double ef_pass_f32_avx2(const float* x, float* e
   for (; i + 64 <= n; i += 64) {
     for (int l = 0; l < 4; ++l) {
       prefetch_ahead(x + i + 16 * l);
-      prefetch_ahead(e + i + 16 * l);
+      prefetch_ahead(e_in + i + 16 * l);
     }
     for (int u = 0; u < 8; ++u) {
-      __m256 q = _mm256_loadu_ps(e + i + 8 * u);
+      __m256 q = _mm256_loadu_ps(e_in + i + 8 * u);
       __m256 corr = _mm256_blendv_ps(pos, neg, _mm256_cmp_ps(q, zero, _CMP_LT_OQ));
       __m256 p = _mm256_add_ps(_mm256_loadu_ps(x + i + 8 * u), _mm256_sub_ps(q, corr));
       _mm256_storeu_ps(e + i + 8 * u, p);
@@ -107,7 +108,7 @@ __attribute__((target("avx2"))) double ef_pass_f32_avx2(const float* x, float* e
   if (i < n) {
     uint64_t w = 0;
     for (int64_t j = i; j < n; ++j) {
-      const float q = e[j];
+      const float q = e_in[j];
       e[j] = x[j] + (q - (q < 0.0f ? -s : s));
       w |= static_cast<uint64_t>(e[j] < 0.0f) << (j - i);
       sum += std::fabs(static_cast<double>(e[j]));
@@ -250,8 +251,8 @@ void aggregate(CodecId c, DType d, const void* payloads, int64_t ranks, int64_t 
   });
 }
 
-void ef_encode(CodecId c, DType d, const void* x, void* e, float* carry, int64_t n,
-               const Params& p, void* payload) {
+void ef_encode(CodecId c, DType d, const void* x, const void* e_in, void* e, float* carry,
+               int64_t n, const Params& p, void* payload) {
   View v = view(payload);
   *v.tag = payload_tag(c, d);
   const bool scaling = (c == kEFSignSGD) ? true : p.scaling;
@@ -260,13 +261,14 @@ void ef_encode(CodecId c, DType d, const void* x, void* e, float* carry, int64_t
     using T = std::remove_pointer_t<decltype(tag)>;
     using A = typename Acc<T>::type;
     const T* xs = static_cast<const T*>(x);
+    const T* ein = static_cast<const T*>(e_in);
     T* es = static_cast<T*>(e);
     if constexpr (std::is_same_v<T, float>) {
-      if (cpu_has_avx2_f16c()) return ef_pass_f32_avx2(xs, es, s, n, v.words);
+      if (cpu_has_avx2_f16c()) return ef_pass_f32_avx2(xs, ein, es, s, n, v.words);
     }
     const A sa = static_cast<A>(s);
     for (int64_t i = 0; i < n; ++i) {
-      const A q = to_acc(es[i]);
+      const A q = to_acc(ein[i]);
       const T residual = from_acc<T>(q - (q < 0 ? -sa : sa));
       es[i] = from_acc<T>(to_acc(xs[i]) + to_acc(residual));
     }

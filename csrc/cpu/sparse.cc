@@ -97,7 +97,7 @@ std::vector<int32_t> dgc_select(const A* v, int64_t n, int64_t k) {
     const K thr = at_zero ? K(1) : sample[at];
     cand.clear();
     if constexpr (std::is_same_v<A, float>) {
-      topk::collect_at_least(v, nullptr, n, thr, cand);
+      topk::collect_at_least(v, nullptr, nullptr, n, thr, cand);
     } else {
       for (int64_t i = 0; i < n; ++i)
         if (key_of(v[i]) >= thr) cand.push_back(static_cast<int32_t>(i));
@@ -134,13 +134,15 @@ int64_t threshold_used(DType d, const void* payload) {
 
 namespace {
 // The threshold payload of x, or with e given, of e = x + e, which it writes.
-void threshold_select(DType d, const void* x, void* e, int64_t n, const Params& p, void* payload) {
+void threshold_select(DType d, const void* x, const void* e_in, void* e, int64_t n,
+                      const Params& p, void* payload) {
   auto* out = static_cast<uint8_t*>(payload);
   auto* idx = reinterpret_cast<int32_t*>(out + kThrHeader);
   dispatch_dtype(d, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     using A = typename Acc<T>::type;
     const T* xs = static_cast<const T*>(x);
+    const T* ein = static_cast<const T*>(e_in);
     T* es = static_cast<T*>(e);
     const A t = static_cast<A>(p.threshold);
     int64_t c = 0;
@@ -148,12 +150,12 @@ void threshold_select(DType d, const void* x, void* e, int64_t n, const Params& 
       // !(|v| <= t) is key_of(v) > key_of(t) for t >= 0, NaN included: top-k's candidate pass,
       // which also adds the residual as it goes (one pass over x and e, vectorised).
       std::vector<int32_t> taken;
-      topk::collect_at_least(xs, es, n, key_of(t) + 1, taken);
+      topk::collect_at_least(xs, ein, es, n, key_of(t) + 1, taken);
       c = static_cast<int64_t>(taken.size());
       std::copy(taken.begin(), taken.end(), idx);
     } else {
       if (es)
-        for (int64_t i = 0; i < n; ++i) es[i] = ef_sum(xs[i], es[i]);
+        for (int64_t i = 0; i < n; ++i) es[i] = ef_sum(xs[i], ein[i]);
       const T* from = es ? es : xs;
       for (int64_t i = 0; i < n; ++i)
         if (!(std::fabs(to_acc(from[i])) <= t)) idx[c++] = static_cast<int32_t>(i);  // NaN is sent
@@ -169,12 +171,12 @@ void threshold_select(DType d, const void* x, void* e, int64_t n, const Params& 
 }  // namespace
 
 void threshold_encode(DType d, const void* x, int64_t n, const Params& p, void* payload) {
-  threshold_select(d, x, nullptr, n, p, payload);
+  threshold_select(d, x, nullptr, nullptr, n, p, payload);
 }
 
-void threshold_ef_accumulate_encode(DType d, const void* x, void* e, int64_t n, const Params& p,
-                                    void* payload) {
-  threshold_select(d, x, e, n, p, payload);
+void threshold_ef_accumulate_encode(DType d, const void* x, const void* e_in, void* e, int64_t n,
+                                    const Params& p, void* payload) {
+  threshold_select(d, x, e_in, e, n, p, payload);
 }
 
 void threshold_aggregate(DType d, const void* payloads, int64_t ranks, int64_t total, int64_t n,

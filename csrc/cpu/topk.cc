@@ -20,10 +20,12 @@ int64_t index_bytes(int64_t k) { return (k * 4 + 7) / 8 * 8; }
 // Selection orders by key_of (hvdc/element.h): NaN ranks above inf, so it gets sent.
 
 // The indices i with key >= t, appended to out in ascending order; for float under AVX2 the
-// keys are the float bits without the sign, compared as integers.
+// keys are the float bits without the sign, compared as integers. With kAccumulate the keys are
+// those of e = x + e_in, written as it goes.
 template <bool kAccumulate>
-__attribute__((target("avx2"))) void collect_f32_avx2(const float* x, float* e, int64_t n,
-                                                      uint32_t t, std::vector<int32_t>& out) {
+__attribute__((target("avx2"))) void collect_f32_avx2(const float* x, const float* e_in, float* e,
+                                                      int64_t n, uint32_t t,
+                                                      std::vector<int32_t>& out) {
   // keys are below 2^31, so a signed compare against t - 1 is the unsigned test key >= t.
   const __m256i thr = _mm256_set1_epi32(static_cast<int32_t>(t) - 1);
   const __m256i absmask = _mm256_set1_epi32(0x7fffffff);
@@ -32,14 +34,14 @@ __attribute__((target("avx2"))) void collect_f32_avx2(const float* x, float* e, 
     prefetch_ahead(x + i);
     prefetch_ahead(x + i + 16);
     if constexpr (kAccumulate) {
-      prefetch_ahead(e + i);
-      prefetch_ahead(e + i + 16);
+      prefetch_ahead(e_in + i);
+      prefetch_ahead(e_in + i + 16);
     }
     uint32_t m = 0;
     for (int u = 0; u < 4; ++u) {
       __m256 v = _mm256_loadu_ps(x + i + 8 * u);
       if constexpr (kAccumulate) {
-        v = _mm256_add_ps(v, _mm256_loadu_ps(e + i + 8 * u));
+        v = _mm256_add_ps(v, _mm256_loadu_ps(e_in + i + 8 * u));
         _mm256_storeu_ps(e + i + 8 * u, v);
       }
       const __m256i k = _mm256_and_si256(_mm256_castps_si256(v), absmask);
@@ -52,20 +54,20 @@ __attribute__((target("avx2"))) void collect_f32_avx2(const float* x, float* e, 
     }
   }
   for (; i < n; ++i) {
-    const float v = kAccumulate ? (e[i] = x[i] + e[i]) : x[i];
+    const float v = kAccumulate ? (e[i] = x[i] + e_in[i]) : x[i];
     if (key_of(v) >= t) out.push_back(static_cast<int32_t>(i));
   }
 }
 
-// collect over x, or with e given, over e = x + e as it is written (the error-feedback pass and
-// the candidate pass in one sweep of memory).
+// collect over x, or with e given, over e = x + e_in as it is written (the error-feedback pass
+// and the candidate pass in one sweep of memory).
 template <class T, class K>
-void collect(const T* x, T* e, int64_t n, K t, std::vector<int32_t>& out) {
+void collect(const T* x, const T* e_in, T* e, int64_t n, K t, std::vector<int32_t>& out) {
   if constexpr (std::is_same_v<T, float>) {
-    collect_at_least(x, e, n, t, out);
+    collect_at_least(x, e_in, e, n, t, out);
   } else {
     for (int64_t i = 0; i < n; ++i) {
-      const T v = e ? (e[i] = ef_sum(x[i], e[i])) : x[i];
+      const T v = e ? (e[i] = ef_sum(x[i], e_in[i])) : x[i];
       if (key_of(to_acc(v)) >= t) out.push_back(static_cast<int32_t>(i));
     }
   }
@@ -117,12 +119,12 @@ void take_zeros(const std::vector<int32_t>& nonzero, int64_t k, int32_t* idx) {
 }
 
 namespace {
-// Writes the indices of the top k (ascending) of x, or with e given, of e = x + e, which it
+// Writes the indices of the top k (ascending) of x, or with e given, of e = x + e_in, which it
 // writes. 0 < k < n.
 template <class T>
-void select(const T* x, T* e, int64_t n, int64_t k, int32_t* idx) {
+void select(const T* x, const T* e_in, T* e, int64_t n, int64_t k, int32_t* idx) {
   using K = decltype(key_of(to_acc(x[0])));
-  auto key_at = [&](int64_t i) { return key_of(to_acc(e ? ef_sum(x[i], e[i]) : x[i])); };
+  auto key_at = [&](int64_t i) { return key_of(to_acc(e ? ef_sum(x[i], e_in[i]) : x[i])); };
   // The threshold is the lower edge of the bin where a histogram of (a strided sample of) the
   // keys reaches the wanted count from the top: a histogram costs one add per key, where
   // selecting the wanted key of the sample (nth_element) cost several compares per key, which
@@ -145,7 +147,7 @@ void select(const T* x, T* e, int64_t n, int64_t k, int32_t* idx) {
     cand.reserve(static_cast<size_t>(std::min<double>(n, want * 1.5)));
     // The lowest bin collects the nonzero keys only: zeros are found by take_zeros below.
     const K t = bin > 0 ? static_cast<K>(bin) << bin_shift<K>() : K(1);
-    collect(from, from == x ? e : nullptr, n, t, cand);
+    collect(from, e_in, from == x ? e : nullptr, n, t, cand);
     if (e) from = e;
     if (static_cast<int64_t>(cand.size()) >= k || bin == 0) break;
   }
@@ -199,19 +201,21 @@ void scatter(const void* payload, int64_t n, int64_t k, double alpha, O* out) {
 
 int64_t payload_bytes(DType d, int64_t k) { return kHeader + index_bytes(k) + k * dtype_size(d); }
 
-void collect_at_least(const float* x, float* e, int64_t n, uint32_t t,
+void collect_at_least(const float* x, const float* e_in, float* e, int64_t n, uint32_t t,
                       std::vector<int32_t>& out) {
   if (cpu_has_avx2_f16c() && t > 0)
-    return e ? collect_f32_avx2<true>(x, e, n, t, out) : collect_f32_avx2<false>(x, e, n, t, out);
+    return e ? collect_f32_avx2<true>(x, e_in, e, n, t, out)
+             : collect_f32_avx2<false>(x, e_in, e, n, t, out);
   for (int64_t i = 0; i < n; ++i) {
-    const float v = e ? (e[i] = x[i] + e[i]) : x[i];
+    const float v = e ? (e[i] = x[i] + e_in[i]) : x[i];
     if (key_of(v) >= t) out.push_back(static_cast<int32_t>(i));
   }
 }
 
 namespace {
-// The payload of x's top k; with e given, of e = x + e, which it writes (see ef_encode).
-void encode_top(DType d, const void* x, void* e, int64_t n, const Params& p, void* payload) {
+// The payload of x's top k; with e given, of e = x + e_in, which it writes (see ef_encode).
+void encode_top(DType d, const void* x, const void* e_in, void* e, int64_t n, const Params& p,
+                void* payload) {
   const int64_t k = p.k;
   Layout L = layout(payload, k);
   L.head[0] = payload_tag(kTopK, d);
@@ -220,13 +224,14 @@ void encode_top(DType d, const void* x, void* e, int64_t n, const Params& p, voi
   dispatch_dtype(d, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     const T* xs = static_cast<const T*>(x);
+    const T* ein = static_cast<const T*>(e_in);
     T* es = static_cast<T*>(e);
     if (k == 0 || k == n) {
       if (es)
-        for (int64_t i = 0; i < n; ++i) es[i] = ef_sum(xs[i], es[i]);
+        for (int64_t i = 0; i < n; ++i) es[i] = ef_sum(xs[i], ein[i]);
       for (int64_t i = 0; i < k; ++i) L.idx[i] = static_cast<int32_t>(i);
     } else {
-      select(xs, es, n, k, L.idx);
+      select(xs, ein, es, n, k, L.idx);
     }
     const T* from = es ? es : xs;
     T* vals = reinterpret_cast<T*>(L.values);
@@ -236,12 +241,12 @@ void encode_top(DType d, const void* x, void* e, int64_t n, const Params& p, voi
 }  // namespace
 
 void encode(DType d, const void* x, int64_t n, const Params& p, void* payload) {
-  encode_top(d, x, nullptr, n, p, payload);
+  encode_top(d, x, nullptr, nullptr, n, p, payload);
 }
 
-void ef_accumulate_encode(DType d, const void* x, void* e, int64_t n, const Params& p,
-                          void* payload) {
-  encode_top(d, x, e, n, p, payload);
+void ef_accumulate_encode(DType d, const void* x, const void* e_in, void* e, int64_t n,
+                          const Params& p, void* payload) {
+  encode_top(d, x, e_in, e, n, p, payload);
 }
 
 void decode(DType d, const void* payload, int64_t n, const Params& p, void* out, double alpha,

@@ -111,10 +111,10 @@ __global__ void aggregate_pair16(const uint16_t* own, const uint32_t* summed, in
   }
 }
 
-template <class T> __global__ void add_into_k(const T* x, T* e, int64_t n) {
+template <class T> __global__ void add_into_k(const T* x, const T* e_in, T* e, int64_t n) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x)
-    e[i] = from_acc<T>(to_acc(x[i]) + to_acc(e[i]));
+    e[i] = from_acc<T>(to_acc(x[i]) + to_acc(e_in[i]));
 }
 
 template <class T> __global__ void nesterov_k(T* x, T* m, int64_t n, double mu) {
@@ -278,11 +278,13 @@ void aggregate_pair(CodecId c, DType d, const void* own, const int32_t* summed, 
   check_launch("cast aggregate_pair");
 }
 
-void add_into(DType d, const void* x, void* e, int64_t n, cudaStream_t s) {
+void add_into(DType d, const void* x, const void* e_in, void* e, int64_t n, cudaStream_t s) {
   if (n == 0) return;
   dispatch_dtype(d, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    add_into_k<T><<<blocks_for(n), kThreads, 0, s>>>(static_cast<const T*>(x), static_cast<T*>(e), n);
+    add_into_k<T><<<blocks_for(n), kThreads, 0, s>>>(static_cast<const T*>(x),
+                                                     static_cast<const T*>(e_in),
+                                                     static_cast<T*>(e), n);
   });
   check_launch("error-feedback sum");
 }

@@ -133,7 +133,7 @@ void aggregate(CodecId c, DType d, const void* payloads, int64_t ranks, int64_t 
                void* out, double alpha, cudaStream_t s);
 void aggregate_pair(CodecId c, DType d, const void* own, const int32_t* summed, int64_t rank,
                     int64_t n, void* out, double alpha, cudaStream_t s);
-void add_into(DType d, const void* x, void* e, int64_t n, cudaStream_t s);
+void add_into(DType d, const void* x, const void* e_in, void* e, int64_t n, cudaStream_t s);
 void nesterov(DType d, void* x, void* m, int64_t n, double mu, cudaStream_t s);
 }  // namespace cast
 namespace randomk {
@@ -146,8 +146,8 @@ void encode(CodecId c, DType d, const void* x, int64_t n, const Params& p, void*
 void decode(DType d, const void* payload, int64_t n, void* out, double alpha, bool acc, cudaStream_t s);
 void aggregate(CodecId c, DType d, const void* payloads, int64_t ranks, int64_t stride, int64_t n,
                void* out, double alpha, cudaStream_t s);
-void ef_encode(CodecId c, DType d, const void* x, void* e, float* carry, int64_t n,
-               const Params& p, void* payload, cudaStream_t s);
+void ef_encode(CodecId c, DType d, const void* x, const void* e_in, void* e, float* carry,
+               int64_t n, const Params& p, void* payload, cudaStream_t s);
 void ef_settle(DType d, void* e, float* carry, int64_t n, cudaStream_t s);
 }  // namespace sign
 namespace minmax8 {

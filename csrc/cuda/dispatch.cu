@@ -203,15 +203,15 @@ int64_t encoded_bytes(CodecId c, DType d, const void* payload, int64_t n, const 
   return 8 + (static_cast<int64_t>(count) * 4 + 7) / 8 * 8 + count * elem;
 }
 
-void ef_encode(CodecId c, DType d, const void* x, void* e, float* carry, int64_t n,
-               const Params& p, void* payload, void* stream) {
+void ef_encode(CodecId c, DType d, const void* x, const void* e_in, void* e, float* carry,
+               int64_t n, const Params& p, void* payload, void* stream) {
   check_args(c, d, n, p);
   if (!(p.prescale > 0.0)) throw KernelError("prescale must be > 0, got " + std::to_string(p.prescale));
   if (ef_carry_size(c) && carry == nullptr)
     throw KernelError("error feedback needs its carry slot for this codec");
   cudaStream_t s = as_stream(stream);
-  if (is_sign(c)) return sign::ef_encode(c, d, x, e, carry, n, p, payload, s);
-  cast::add_into(d, x, e, n, s);
+  if (is_sign(c)) return sign::ef_encode(c, d, x, e_in, e, carry, n, p, payload, s);
+  cast::add_into(d, x, e_in, e, n, s);
   encode(c, d, e, n, p, payload, stream);
   // D undoes the prescale, so the residual is measured in gradient units.
   decode_checked(c, d, payload, n, p, e, -1.0 / p.prescale, true, s);

@@ -21,8 +21,8 @@ __device__ inline float scale_of(const void* payload) {
 // scale: the residual is formed, p = x + residual is stored back into e and packed (the
 // arithmetic of sign::ef_encode in csrc/cpu/sign.cc).
 template <class T, bool lazy_ef>
-__global__ void pack(const T* x, T* e, const float* carry, int64_t n, uint64_t* words,
-                     double* partial) {
+__global__ void pack(const T* x, const T* e_in, T* e, const float* carry, int64_t n,
+                     uint64_t* words, double* partial) {
   using A = typename Acc<T>::type;
   __shared__ double smem[kThreads / 32];
   const int lane = threadIdx.x & 31;
@@ -39,7 +39,7 @@ __global__ void pack(const T* x, T* e, const float* carry, int64_t n, uint64_t* 
       if (i < n) {
         A v;
         if constexpr (lazy_ef) {
-          const A q = to_acc(e[i]);
+          const A q = to_acc(e_in[i]);
           const T residual = from_acc<T>(q - (q < 0 ? -sa : sa));
           const T pv = from_acc<T>(to_acc(x[i]) + to_acc(residual));
           e[i] = pv;
@@ -128,15 +128,16 @@ __global__ void settle_k(T* e, const float* carry, int64_t n) {
 }
 
 template <bool lazy_ef>
-void encode_impl(CodecId c, DType d, const void* x, void* e, float* carry, int64_t n,
-                 const Params& p, void* payload, cudaStream_t s) {
+void encode_impl(CodecId c, DType d, const void* x, const void* e_in, void* e, float* carry,
+                 int64_t n, const Params& p, void* payload, cudaStream_t s) {
   const bool scaling = (c == kEFSignSGD) ? true : p.scaling;
   const unsigned blocks = blocks_for((n + 63) / 64 * 32);
   Scratch partial(blocks * sizeof(double), s);
   dispatch_dtype(d, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     auto* words = reinterpret_cast<uint64_t*>(static_cast<uint8_t*>(payload) + kHeader);
-    pack<T, lazy_ef><<<blocks, kThreads, 0, s>>>(static_cast<const T*>(x), static_cast<T*>(e),
+    pack<T, lazy_ef><<<blocks, kThreads, 0, s>>>(static_cast<const T*>(x),
+                                                 static_cast<const T*>(e_in), static_cast<T*>(e),
                                                  carry, n, words, partial.as<double>());
   });
   finish<<<1, kThreads, 0, s>>>(partial.as<double>(), blocks, n, scaling, payload_tag(c, d),
@@ -150,12 +151,12 @@ namespace sign {
 
 void encode(CodecId c, DType d, const void* x, int64_t n, const Params& p, void* payload,
             cudaStream_t s) {
-  encode_impl<false>(c, d, x, nullptr, nullptr, n, p, payload, s);
+  encode_impl<false>(c, d, x, nullptr, nullptr, nullptr, n, p, payload, s);
 }
 
-void ef_encode(CodecId c, DType d, const void* x, void* e, float* carry, int64_t n,
-               const Params& p, void* payload, cudaStream_t s) {
-  encode_impl<true>(c, d, x, e, carry, n, p, payload, s);
+void ef_encode(CodecId c, DType d, const void* x, const void* e_in, void* e, float* carry,
+               int64_t n, const Params& p, void* payload, cudaStream_t s) {
+  encode_impl<true>(c, d, x, e_in, e, carry, n, p, payload, s);
 }
 
 void ef_settle(DType d, void* e, float* carry, int64_t n, cudaStream_t s) {

@@ -378,14 +378,14 @@ class EfEncodeOp : public CodecOp {
     const Launch launch(ctx);
     Tensor *payload = nullptr, *e_out = nullptr, *carry_out = nullptr;
     if (!payload_output(ctx, 0, d, x.NumElements(), p, &payload)) return;
-    if (!copy_to_output(ctx, launch, 1, e, &e_out) ||
-        !copy_to_output(ctx, launch, 2, carry, &carry_out))
-      return;
+    // The kernel reads e and writes every element of e_out: no copy of e first.
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, e.shape(), &e_out));
+    if (!copy_to_output(ctx, launch, 2, carry, &carry_out)) return;
     HVDC_TF_TRY(ctx, {
       if (carry.NumElements() != hvdc::ef_carry_size(codec()))
         throw hvdc::KernelError("error-feedback carry must hold " +
                                 std::to_string(hvdc::ef_carry_size(codec())) + " element(s)");
-      launch.ef_encode(codec(), d, x.data(), e_out->data(),
+      launch.ef_encode(codec(), d, x.data(), e.data(), e_out->data(),
                        carry.NumElements() ? carry_out->flat<float>().data() : nullptr,
                        x.NumElements(), p, payload->data());
     });

@@ -388,22 +388,34 @@ float* carry_of(int64_t codec, at::Tensor& carry, const Where& w) {
   return carry.data_ptr<float>();
 }
 
+// e_in: the residual to read when it is not e itself (see hvdc/kernels.h).
 void ef_encode(int64_t codec, const at::Tensor& x, at::Tensor& e, at::Tensor& carry,
-               const hvdc::Params& p, at::Tensor& payload) {
+               const hvdc::Params& p, at::Tensor& payload, std::optional<at::Tensor> e_in) {
   const Where w = where_of(x, "gradient");
   HVDC_GUARD(w);
   check_out(e, x, w, "error-feedback residual");
+  const at::Tensor& ein = e_in ? *e_in : e;
+  if (e_in) {
+    check_out(ein, x, w, "error-feedback residual e_in");
+    const auto* a = static_cast<const char*>(ein.data_ptr());
+    const auto* b = static_cast<const char*>(e.data_ptr());
+    const int64_t bytes = e.numel() * e.element_size();
+    if (a != b && a < b + bytes && b < a + bytes)
+      throw hvdc::KernelError("error-feedback residuals e_in and e overlap without being the "
+                              "same buffer");
+  }
   const auto d = dtype_of(x, "gradient");
   auto xc = x.contiguous();
   check_payload(payload, w, codec, d, xc.numel(), p);
   const auto c = static_cast<hvdc::CodecId>(codec);
 #ifdef HVDC_WITH_CUDA
   if (w.cuda)
-    return hvdc::gpu::ef_encode(c, d, xc.data_ptr(), e.data_ptr(), carry_of(codec, carry, w),
-                                xc.numel(), p, payload.data_ptr(), w.stream);
+    return hvdc::gpu::ef_encode(c, d, xc.data_ptr(), ein.data_ptr(), e.data_ptr(),
+                                carry_of(codec, carry, w), xc.numel(), p, payload.data_ptr(),
+                                w.stream);
 #endif
-  hvdc::ef_encode(c, d, xc.data_ptr(), e.data_ptr(), carry_of(codec, carry, w), xc.numel(), p,
-                  payload.data_ptr());
+  hvdc::ef_encode(c, d, xc.data_ptr(), ein.data_ptr(), e.data_ptr(), carry_of(codec, carry, w),
+                  xc.numel(), p, payload.data_ptr());
 }
 
 void ef_settle(int64_t codec, at::Tensor& e, at::Tensor& carry) {
@@ -572,7 +584,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("encode", &encode, G());
   m.def("decode", &decode, G());
   m.def("aggregate", &aggregate, G());
-  m.def("ef_encode", &ef_encode, G());
+  m.def("ef_encode", &ef_encode, G(), py::arg("codec"), py::arg("x"), py::arg("e"),
+        py::arg("carry"), py::arg("params"), py::arg("payload"), py::arg("e_in") = py::none());
   m.def("ef_settle", &ef_settle, G());
   m.def("ef_carry_size", &ef_carry_size);
   m.def("aggregate_concat", &aggregate_concat, G());

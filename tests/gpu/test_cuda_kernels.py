@@ -168,17 +168,25 @@ def test_payloads_off_an_8_byte_boundary_equal_cpu(label, kernel, fields, shift)
 @pytest.mark.parametrize("n", [1, 33, 1_000_007])
 @pytest.mark.parametrize("label,kernel,fields", CODECS, ids=IDS)
 def test_error_feedback_equals_cpu_over_steps(label, kernel, fields, n, dtype):
+    """Odd steps on the GPU write the new residual into a second buffer (e_in: the old one),
+    as the state store's transactions have it; the CPU updates in place throughout."""
     p = make_params(fields, n)
     carry_n = _C.ef_carry_size(K[kernel])
     e_c = torch.zeros(n, dtype=random_grad(1, dtype).dtype)
-    e_g = e_c.to(DEV)
+    e_g, spare_g = e_c.to(DEV), torch.full_like(e_c, 12345.0).to(DEV)
     carry_c, carry_g = torch.zeros(carry_n), torch.zeros(carry_n, device=DEV)
-    for step in range(3):
+    for step in range(4):
         x = random_grad(n, dtype, seed=100 + step)
         pl_c = _C.new_payload(K[kernel], x, p)
         pl_g = _C.new_payload(K[kernel], x.to(DEV), p)
         _C.ef_encode(K[kernel], x, e_c, carry_c, p, pl_c)
-        _C.ef_encode(K[kernel], x.to(DEV), e_g, carry_g, p, pl_g)
+        if step % 2:
+            before = e_g.clone()
+            _C.ef_encode(K[kernel], x.to(DEV), spare_g, carry_g, p, pl_g, e_in=e_g)
+            assert_same(e_g, before, f"{label} step {step} e_in left as it was")
+            e_g, spare_g = spare_g, e_g
+        else:
+            _C.ef_encode(K[kernel], x.to(DEV), e_g, carry_g, p, pl_g)
         if kernel == "threshold":
             pl_c = pl_c[:_C.encoded_bytes(K[kernel], pl_c, x, p)]
             pl_g = pl_g[:_C.encoded_bytes(K[kernel], pl_g, x.to(DEV), p)]

@@ -199,6 +199,48 @@ def test_error_feedback_invariant_float64(codec):
         np.testing.assert_allclose((decoded + e).numpy(), before.numpy(), rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("codec", ["none", "fp16", "bf16", "onebit", "signsgd", "efsignsgd",
+                                   "topk", "randomk", "minmax8", "threshold"])
+def test_error_feedback_into_another_buffer_equals_in_place(codec, dtype):
+    """With e_in, the old residual is read from e_in and the new one written into e (how a step's
+    transaction keeps the old one as its backup, uncopied): the payload and the residual have
+    the bits of the update in place, e is written in full and e_in is left as it was. Top-k
+    and threshold then add the residual in a pass of its own, not in their selection."""
+    n = 4097
+    k = k_for(codec, n)
+    p = params(k=k, seed=9, chunk=CHUNK, **({"threshold": 0.5} if codec == "threshold" else {}))
+    in_place = random_grad(n, dtype, seed=1) * 0.1
+    src, dst = in_place.clone(), torch.empty_like(in_place)
+    carries = [torch.zeros(_C.ef_carry_size(ID[codec])) for _ in range(2)]
+    for step in range(3):
+        x = random_grad(n, dtype, seed=10 + step)
+        if step == 1 and x.is_floating_point():
+            x[7] = float("nan")
+        pa, pb = _C.new_payload(ID[codec], x, p), _C.new_payload(ID[codec], x, p)
+        _C.ef_encode(ID[codec], x, in_place, carries[0], p, pa)
+        before = src.clone()
+        dst.fill_(12345.0)
+        _C.ef_encode(ID[codec], x, dst, carries[1], p, pb, e_in=src)
+        used = _C.encoded_bytes(ID[codec], pa, x, p)
+        assert used == _C.encoded_bytes(ID[codec], pb, x, p)
+        assert payload_bytes(pa)[:used] == payload_bytes(pb)[:used]
+        assert same_bits(t2n(dst), t2n(in_place))
+        assert same_bits(t2n(src), t2n(before))
+        assert same_bits(t2n(carries[0]), t2n(carries[1]))
+        src, dst = dst, src  # the store's two buffers swap roles every step
+
+
+def test_error_feedback_refuses_overlapping_residuals():
+    x, buf = torch.ones(10), torch.zeros(12)
+    p = params()
+    payload = _C.new_payload(ID["onebit"], x, p)
+    with pytest.raises(ValueError, match="e_in and e overlap without being the same buffer"):
+        _C.ef_encode(ID["onebit"], x, buf[2:], torch.zeros(1), p, payload, e_in=buf[:10])
+    with pytest.raises(ValueError, match="e_in must match the gradient"):
+        _C.ef_encode(ID["onebit"], x, buf[:10], torch.zeros(1), p, payload, e_in=torch.zeros(9))
+
+
 def test_efsignsgd_equals_onebit_with_error_feedback():
     x = random_grad(10000, "float32")
     e1, e2 = torch.zeros(10000), torch.zeros(10000)

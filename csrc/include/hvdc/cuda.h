@@ -37,8 +37,8 @@ void aggregate_pair(CodecId codec, DType dtype, const void* own, const int32_t* 
                     int64_t rank, int64_t n, const Params& p, void* out, double alpha,
                     void* stream);
 // carry: ef_carry_size(codec) floats in device memory.
-void ef_encode(CodecId codec, DType dtype, const void* x, void* e, float* carry, int64_t n,
-               const Params& p, void* payload, void* stream);
+void ef_encode(CodecId codec, DType dtype, const void* x, const void* e_in, void* e, float* carry,
+               int64_t n, const Params& p, void* payload, void* stream);
 void ef_settle(CodecId codec, DType dtype, void* e, float* carry, int64_t n, void* stream);
 void encode_with_state(CodecId codec, DType dtype, const void* x, void* const* state,
                        int64_t nstate, int64_t n, const Params& p, void* payload, void* stream);

@@ -96,8 +96,12 @@ void aggregate_pair(CodecId codec, DType dtype, const void* own, const int32_t* 
 // off; the next call (or ef_settle) does that first. The arithmetic, and so every bit of the
 // payloads and of the settled residual, equals the eager definition above. carry must point to
 // ef_carry_size() floats, zero-initialised with e; it may be null when that size is 0.
-void ef_encode(CodecId codec, DType dtype, const void* x, void* e, float* carry, int64_t n,
-               const Params& p, void* payload);
+//
+// e_in is the residual before the call and e where the new one is written: the same buffer
+// for an update in place, or two, so that a step's transaction keeps the old residual as its
+// backup without copying it (e is then written in full and e_in only read).
+void ef_encode(CodecId codec, DType dtype, const void* x, const void* e_in, void* e, float* carry,
+               int64_t n, const Params& p, void* payload);
 int64_t ef_carry_size(CodecId codec);
 // Makes e the plain residual (and carry zero): before reading or checkpointing e.
 void ef_settle(CodecId codec, DType dtype, void* e, float* carry, int64_t n);
