@@ -6,6 +6,8 @@ of a slot or step counter keeps a backup of it, and `rollback()` puts every touc
 a step that is skipped (a non-finite gradient, or the user's choice) leaves no trace, not even in
 the step counters that seed random draws. Only what the step touches is copied; each backup
 buffer is kept for the next step (one per slot that steps touch: the state's memory doubles).
+A slot that a kernel reads whole and writes whole (`rewrite()`) is not copied: the kernel writes
+into the kept buffer, and the slot's old tensor becomes the backup.
 
 The store is framework-neutral: a frontend hands it an adapter that makes and converts its own
 tensors. `state_dict()` holds plain numpy arrays so a checkpoint written by one frontend loads
@@ -68,6 +70,8 @@ class StateStore:
         # backups under (name, _COUNTER). None outside a step.
         self._txn: dict[tuple[str, str], Any] | None = None
         self._spares: dict[tuple[str, str], Any] = {}
+        # The open step's rewritten slots (rewrite()): their backup is the slot's old tensor.
+        self._rewritten: set[tuple[str, str]] = set()
         # Traced: the scope the step began in, and what it first touched inside a conditional
         # branch, whose backup is taken only where that branch runs.
         self._outer: Any = None
@@ -89,11 +93,7 @@ class StateStore:
         shape, dtype = self._adapter.describe(like)
         held = self._slots.setdefault(name, {}).get(kind)
         if held is not None:
-            have = self._adapter.describe(held)
-            if have != (shape, dtype):
-                raise ValueError(f"parameter {name!r}: {kind} state is {have[1]}{list(have[0])} "
-                                 f"but its gradient is now {dtype}{list(shape)}; parameter names "
-                                 f"must identify the same tensors from step to step")
+            self._check_like(name, kind, held, like)
             self._touch(name, kind, held)
             return held
         saved = self._pending.get(name, {}).pop(kind, None)
@@ -111,6 +111,39 @@ class StateStore:
         else:
             self._touch(name, kind, held)
         return held
+
+    def _check_like(self, name: str, kind: str, held: Any, like: Any) -> None:
+        have, want = self._adapter.describe(held), self._adapter.describe(like)
+        if have != want:
+            raise ValueError(f"parameter {name!r}: {kind} state is {have[1]}{list(have[0])} "
+                             f"but its gradient is now {want[1]}{list(want[0])}; parameter names "
+                             f"must identify the same tensors from step to step")
+
+    def rewrite(self, name: str, kind: str, like: Any) -> tuple[Any, Any]:
+        """The slot for a kernel that reads it and writes every element of it: (src, dst), src
+        holding the value and dst where the kernel writes, which is the slot from now on.
+
+        The first time an open step touches the slot, dst is the buffer kept from earlier
+        steps' backups and src, left as it was, is this step's backup: the kernel's own pass
+        replaces the copy a backup costs. Otherwise (no step open, a traced frontend, a slot the
+        step already touched or just created) src and dst are the slot, updated in place. A
+        later call in the same step returns the same pair, for a kernel that writes the slot
+        part by part."""
+        key = (name, kind)
+        if key in self._rewritten:
+            return self._txn[key], self._slots[name][kind]
+        held = self._slots.get(name, {}).get(kind)
+        if held is None or self._txn is None or self._adapter.traced or key in self._txn:
+            held = self.slot(name, kind, like)
+            return held, held
+        self._check_like(name, kind, held, like)
+        spare = self._spares.pop(key, None)
+        if spare is None:
+            spare = self._adapter.zeros_like(held)
+        self._txn[key] = held
+        self._rewritten.add(key)
+        self._slots[name][kind] = spare
+        return held, spare
 
     def place(self, name: str, kind: str, storage: Any) -> Any:
         """Let `storage` (shaped like the slot: a frontend's view into a larger buffer) hold the
@@ -173,6 +206,7 @@ class StateStore:
         if self._txn is not None:
             raise RuntimeError("a compression step is already open; commit() or rollback() it")
         self._txn = {}
+        self._rewritten = set()
         self._outer = self._adapter.scope() if self._adapter.traced else None
         self._inner = set()
 
@@ -186,6 +220,7 @@ class StateStore:
             return
         self._spares.update((k, v) for k, v in self._txn.items() if not isinstance(v, _Made))
         self._txn = None
+        self._rewritten = set()
 
     def rollback(self, ran: Any = None) -> None:
         """Put every slot and counter the open step touched back as they were before it; slots
@@ -196,6 +231,7 @@ class StateStore:
         conditional ran in this step. Where they did not, their backups were not taken and
         hold an older step's values, and the state they cover did not change: it is left."""
         txn, self._txn = self._txn, None
+        rewritten, self._rewritten = self._rewritten, set()
         if txn is None:
             return
         inner, self._inner = self._inner, set()
@@ -214,6 +250,9 @@ class StateStore:
                 del self._slots[name][kind]
                 if saved.pending is not None:
                     self._pending.setdefault(name, {})[kind] = saved.pending
+            elif (name, kind) in rewritten:  # the untouched old tensor is the slot again
+                self._spares[name, kind] = self._slots[name][kind]
+                self._slots[name][kind] = saved
             else:
                 self._restore(self._adapter.restore, self._slots[name][kind], saved,
                               (name, kind) in inner, ran)
@@ -318,6 +357,7 @@ class StateStore:
         self._slots = slots
         self._units = state.get("loss_scale")
         self._txn = None
+        self._rewritten = set()
         self._spares = {}
         self._pending_steps = {}
         for name, counter in self._steps.items():

@@ -144,8 +144,8 @@ class TorchCodec:
             _C.encode_with_state(info.kernel_id, x, [self._slot(name, s, x) for s in
                                                      info.state_slots], kp, payload)
         elif cfg.ef == "vanilla":
-            e = self._slot(name, "ef", x)
-            _C.ef_encode(info.kernel_id, x, e, self._carry(name, x), kp, payload)
+            e_in, e = self._rewrite(name, "ef", x)
+            _C.ef_encode(info.kernel_id, x, e, self._carry(name, x), kp, payload, e_in)
             self._mask_momentum(name, x, e)
         else:
             _C.encode(info.kernel_id, x, kp, payload)
@@ -193,6 +193,14 @@ class TorchCodec:
                     for j in range(parts):
                         _C.ef_settle(self.info.kernel_id, e.view(-1)[bounds[j]:bounds[j + 1]],
                                      carry[j * size:(j + 1) * size])
+
+    def _rewrite(self, name: str, kind: str,
+                 like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """StateStore.rewrite for a kernel that writes the whole slot (not a bucket's view)."""
+        if self.store is None or name in self._views:
+            e = self._slot(name, kind, like)
+            return e, e
+        return self.store.rewrite(name, kind, like)
 
     def _slot(self, name: str, kind: str, like: torch.Tensor) -> torch.Tensor:
         if self.store is None:
@@ -376,16 +384,16 @@ class TorchCodec:
                 _C.ef_settle(info.kernel_id, e, carry)
             self._mask_momentum(name, grad, e, part)
         elif state == "worker" and cfg.ef == "vanilla":
-            e = self._slot(name, "ef", grad).view(-1)[part.start:part.stop]
+            e_in, e = (t.view(-1)[part.start:part.stop] for t in self._rewrite(name, "ef", grad))
             carry = self._carry(name, grad, job.world if chunked else 1)
             size = info.ef_carry
             _C.ef_encode(info.kernel_id, x, e, carry[part.index * size:(part.index + 1) * size],
-                         kp, payload)
+                         kp, payload, e_in)
             self._mask_momentum(name, grad, e, part)
         elif state == "owner" and cfg.ef == "vanilla":
-            e = self.store.slot(name, f"owner_ef[{part.start}:{part.stop}]", x)
+            e_in, e = self.store.rewrite(name, f"owner_ef[{part.start}:{part.stop}]", x)
             carry = torch.zeros(_C.ef_carry_size(info.kernel_id), device=x.device)
-            _C.ef_encode(info.kernel_id, x, e, carry, kp, payload)
+            _C.ef_encode(info.kernel_id, x, e, carry, kp, payload, e_in)
             if carry.numel():
                 _C.ef_settle(info.kernel_id, e, carry)
         else:

@@ -166,6 +166,59 @@ def test_rollback_restores_touched_slots_and_counters_and_removes_new_ones():
     assert torch.equal(e, torch.full((3,), 2.0))
 
 
+def test_a_rewritten_slot_keeps_its_old_tensor_as_the_backup_without_a_copy():
+    """rewrite(): the kernel reads src and writes dst, which is the slot from then on; src is
+    the step's backup, untouched, and dst the buffer an earlier step's backup went into."""
+    s = store()
+    like = torch.ones(4)
+    a = s.slot("w", "ef", like)
+    a.fill_(1.0)
+    src, dst = s.rewrite("w", "ef", like)  # no step open: in place
+    assert src is a and dst is a
+    buffers = {id(a)}
+    for step, value in enumerate([2.0, 3.0, 4.0]):
+        s.begin()
+        src, dst = s.rewrite("w", "ef", like)
+        assert src is not dst and torch.equal(src, torch.full((4,), value - 1))
+        again = s.rewrite("w", "ef", like)  # a later part of the same step
+        assert again[0] is src and again[1] is dst
+        dst.copy_(src + 1)
+        s.commit()
+        assert s.peek("w", "ef") is dst
+        assert np.array_equal(s.state_dict()["slots"]["w"]["ef"], np.full(4, value, np.float32))
+        buffers |= {id(src), id(dst)}
+    assert len(buffers) == 2  # two buffers in turn, none made per step
+    s.begin()
+    src, dst = s.rewrite("w", "ef", like)
+    dst.fill_(99.0)
+    s.rollback()
+    assert s.peek("w", "ef") is src and torch.equal(src, torch.full((4,), 4.0))
+    s.begin()  # the rolled-back step's buffer is the one written next
+    again = s.rewrite("w", "ef", like)
+    assert again[0] is src and again[1] is dst
+    s.rollback()
+    with pytest.raises(ValueError, match=r"ef state is float32\[4\] but its gradient is now"):
+        s.rewrite("w", "ef", torch.ones(5))
+
+
+def test_a_slot_touched_or_made_in_the_step_is_rewritten_in_place():
+    """Where the step already holds a backup (a copy, or the slot is new), src is dst: the
+    backup must not become the slot."""
+    s = store()
+    like = torch.ones(3)
+    s.slot("w", "ef", like).fill_(1.0)
+    s.begin()
+    s.rescale(2.0)
+    s.rescale(4.0)  # touches every slot: a copy is the backup
+    src, dst = s.rewrite("w", "ef", like)
+    assert src is dst and torch.equal(dst, torch.full((3,), 2.0))
+    made = s.rewrite("b", "ef", like)
+    assert made[0] is made[1]
+    dst.fill_(5.0)
+    s.rollback()
+    assert torch.equal(s.peek("w", "ef"), torch.ones(3)) and s.peek("b", "ef") is None
+
+
 class _TracedAdapter(TorchAdapter):
     """A traced frontend's bookkeeping on torch tensors: `where` is the graph being built."""
 
