@@ -306,6 +306,8 @@ void ef_encode(CodecId c, DType d, const void* x, const void* e_in, void* e, flo
       T* es = static_cast<T*>(e);
       for (int64_t i = 0; i < n; ++i) es[i] = ef_sum(xs[i], ein[i]);
     });
+    if (c == kDither)  // the residual is taken in the coding pass
+      return quant::dither_encode_settle(d, e, n, p, payload, -1.0 / p.prescale);
     encode(c, d, e, n, p, payload);
   }
   // D undoes the prescale, so the residual is measured in gradient units.

@@ -142,9 +142,14 @@ inline uint64_t get_group(const uint8_t* codes, int64_t g, int b, int64_t cap) {
 // Linear levels, float32 input: 32 codes per step, same arithmetic as linear_level(). Codes are
 // narrowed to bytes, then each 64-bit lane's 8 bytes are squeezed to 8 * bits bits by three
 // shift-and-merge rounds (pairs, quads, octets), so only one store per 8 codes leaves SIMD.
+// With resid, also resid += alpha * values[code] (error feedback's decode, fused: the rounding
+// of dither_aggregate's accumulation for one rank).
 __attribute__((target("avx2"))) int64_t dither_linear_f32_avx2(const float* x, int64_t n, float scale,
                                                                int64_t s, uint64_t seed, int b,
-                                                               int64_t cap, uint8_t* codes) {
+                                                               int64_t cap, uint8_t* codes,
+                                                               float* resid, const float* values,
+                                                               float alpha) {
+  const __m256 valpha = _mm256_set1_ps(alpha);
   const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   const __m256 vscale = _mm256_set1_ps(scale), sf = _mm256_set1_ps(static_cast<float>(s));
   const __m256i vs = _mm256_set1_epi32(static_cast<int32_t>(s));
@@ -174,6 +179,10 @@ __attribute__((target("avx2"))) int64_t dither_linear_f32_avx2(const float* x, i
       const __m256i l = _mm256_sub_epi32(_mm256_cvttps_epi32(f), _mm256_castps_si256(up));
       c[u] = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(_mm256_add_epi32(vs, l)),
                                                   _mm256_castsi256_ps(_mm256_sub_epi32(vs, l)), v));
+      if (resid) {
+        const __m256 d = _mm256_mul_ps(valpha, _mm256_i32gather_ps(values, c[u], 4));
+        _mm256_storeu_ps(resid + i + 8 * u, _mm256_add_ps(_mm256_loadu_ps(resid + i + 8 * u), d));
+      }
     }
     __m256i w = _mm256_packus_epi16(_mm256_packus_epi32(c[0], c[1]), _mm256_packus_epi32(c[2], c[3]));
     w = _mm256_permutevar8x32_epi32(w, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
@@ -341,7 +350,20 @@ __attribute__((target("avx2"))) void natural_aggregate_f32_avx2(const uint8_t* b
 
 int64_t dither_payload_bytes(int64_t n, int64_t s) { return kDitherHeader + code_bytes(n, bits_for(s)); }
 
-void dither_encode(DType d, const void* x, int64_t n, const Params& p, void* payload) {
+namespace {
+// The decoded value of every code 0..2s under this norm.
+void dither_values(float norm, const Params& p, float* values) {
+  for (int64_t c = 0; c <= 2 * p.s; ++c) {
+    const int64_t l = c >= p.s ? c - p.s : p.s - c;
+    const float m = dither_magnitude(l, p.s, p.partition == kNaturalLevels, norm);
+    values[c] = c < p.s ? -m : m;
+  }
+}
+
+// dither_encode; with resid, also resid += alpha * D(payload) as it codes, to the bits of
+// dither_aggregate(payload, ranks 1, acc) into resid.
+void dither_code(DType d, const void* x, int64_t n, const Params& p, void* payload, void* resid,
+                 double alpha) {
   auto* out = static_cast<uint8_t*>(payload);
   const int b = bits_for(p.s);
   const int64_t cap = code_bytes(n, b);
@@ -356,19 +378,33 @@ void dither_encode(DType d, const void* x, int64_t n, const Params& p, void* pay
   dispatch_dtype(d, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     const T* xs = static_cast<const T*>(x);
+    using A = typename Acc<T>::type;
+    T* rs = static_cast<T*>(resid);
+    const A al = static_cast<A>(alpha);
     const Stats st = stats(xs, n, p.normalize != kMax);
     float norm = dither_norm(st, n, p);
     std::memcpy(out + 8, &norm, 4);
+    std::vector<float> values(rs ? static_cast<size_t>(2 * p.s + 1) : 0);
+    if (rs) dither_values(norm, p, values.data());
+    auto settle = [&](int64_t j, int64_t c) {
+      rs[j] = from_acc<T>(to_acc(rs[j]) + al * static_cast<A>(values[c]));
+    };
     if (!(norm > 0.0f) || !std::isfinite(norm)) {  // zero or broken: every code is level 0
       uint64_t w = 0;
       for (int j = 0; j < 8; ++j) w |= static_cast<uint64_t>(p.s) << (j * b);
-      for (int64_t g = 0; g < (n + 7) / 8; ++g) put_group(codes, g, b, cap, w);
+      for (int64_t g = 0; g < (n + 7) / 8; ++g) {
+        const int64_t k = std::min<int64_t>(8, n - g * 8);  // past n, codes stay 0
+        put_group(codes, g, b, cap, k == 8 ? w : w & ((uint64_t{1} << (k * b)) - 1));
+      }
+      if (rs)
+        for (int64_t j = 0; j < n; ++j) settle(j, p.s);
     } else {
       const float sf = static_cast<float>(p.s), inv = 1.0f / norm, scale = sf / norm;
       int64_t i = 0;
       if constexpr (std::is_same_v<T, float>) {
         if (!natural && cpu_has_avx2_f16c())
-          i = dither_linear_f32_avx2(xs, n, scale, p.s, p.seed, b, cap, codes);
+          i = dither_linear_f32_avx2(xs, n, scale, p.s, p.seed, b, cap, codes, rs, values.data(),
+                                     al);
       }
       for (; i < n; i += 8) {
         uint64_t w = 0;
@@ -379,12 +415,23 @@ void dither_encode(DType d, const void* x, int64_t n, const Params& p, void* pay
                                     : linear_level(std::min(std::fabs(v) * scale, sf), u);
           const int64_t c = v < 0.0f ? p.s - l : p.s + l;
           w |= static_cast<uint64_t>(c) << ((j - i) * b);
+          if (rs) settle(j, c);
         }
         put_group(codes, i / 8, b, cap, w);
       }
     }
     std::fill(codes + (n + 7) / 8 * b, codes + cap, uint8_t(0));
   });
+}
+}  // namespace
+
+void dither_encode(DType d, const void* x, int64_t n, const Params& p, void* payload) {
+  dither_code(d, x, n, p, payload, nullptr, 0.0);
+}
+
+void dither_encode_settle(DType d, void* e, int64_t n, const Params& p, void* payload,
+                          double alpha) {
+  dither_code(d, e, n, p, payload, e, alpha);
 }
 
 // Sum over ranks of alpha * D(payload_r), accumulated in the gradient's accumulator type.
@@ -409,11 +456,7 @@ void dither_aggregate(DType d, const void* payloads, int64_t ranks, int64_t stri
   for (int64_t r = 0; r < ranks; ++r) {
     float norm;
     std::memcpy(&norm, base + r * stride + 8, 4);
-    for (int64_t c = 0; c < nc; ++c) {
-      const int64_t l = c >= p.s ? c - p.s : p.s - c;
-      const float m = dither_magnitude(l, p.s, p.partition == kNaturalLevels, norm);
-      table[r * nc + c] = c < p.s ? -m : m;
-    }
+    dither_values(norm, p, table.data() + r * nc);
   }
   dispatch_dtype(d, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;

@@ -90,6 +90,30 @@ def test_error_feedback_matches_reference(spec, dtype):
         assert same_bits(t2n(e), e_ref)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("spec", SPECS)
+def test_error_feedback_edge_steps_match_reference(spec, dtype):
+    """Dithering takes its residual in the coding pass: a zero gradient (zero norm), a NaN (a
+    NaN norm: all NaN), a prescale, a tail past the vectorised blocks, and the residual written
+    into a second buffer, all to the oracle's bits."""
+    n = 1000 + 37
+    codec, cid, fields, p = setup(spec, n, seed=5)
+    p.prescale = 0.5
+    src, dst = torch.zeros(n, dtype=random_grad(1, dtype).dtype), None
+    dst = torch.full_like(src, 7.0)
+    e_ref = t2n(src)
+    for step in range(4):
+        x = torch.zeros_like(src) if step == 0 else random_grad(n, dtype, seed=20 + step)
+        if step == 3:
+            x[n - 3] = float("nan")
+        payload = _C.new_payload(cid, x, p)
+        _C.ef_encode(cid, x, dst, torch.zeros(0), p, payload, e_in=src)
+        want, e_ref = ref.ef_encode(codec, t2n(x), e_ref, dtype, prescale=0.5, seed=5, **fields)
+        assert payload_bytes(payload) == want, f"step {step}"
+        assert same_bits(t2n(dst), e_ref), f"step {step}"
+        src, dst = dst, src
+
+
 @pytest.mark.parametrize("spec", SPECS)
 def test_unbiased_in_expectation(spec):
     """Mean of decodes over many seeds approaches the input. Each draw is one of the two levels
