@@ -45,6 +45,17 @@ def test_codecs_quick(tmp_path):
     assert "| fp16" in proc.stdout
 
 
+def test_ef_step_quick(tmp_path):
+    proc = run("ef_step.py", "--mb", "0.2", "--runs", "1", "--out", str(tmp_path))
+    data, rows = outputs(tmp_path, "ef_step")
+    import ef_step
+    assert [r["codec"] for r in rows] == list(ef_step.SPECS)
+    assert all(float(r["copy_then_in_place_ms"]) > 0 and float(r["into_kept_ms"]) > 0
+               for r in rows)
+    assert data["settings"]["elements"] == 50_000
+    assert "| threshold,threshold=2.0,ef=vanilla" in proc.stdout
+
+
 def test_convergence_quick(tmp_path):
     import convergence
     proc = run("convergence.py", "--quick", "--epochs", "1", "--out", str(tmp_path))
