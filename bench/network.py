@@ -6,6 +6,7 @@ that tc shapes to 100 Mbit/s, 1 Gbit/s and 10 Gbit/s, training a communication-h
     sudo python bench/network.py --layout 2x2   # 4 ranks: two "nodes" of two ranks each
     sudo python bench/network.py --model resnet50 --bucket-mb 4   # models.py's ResNet-50
     sudo python bench/network.py --model keras-resnet50 --bucket-mb 4   # the TF/Keras frontend
+    sudo python bench/network.py --rounds 3   # every row three times, in alternating order
 
 With --layout 2x2 each namespace is a node running two ranks (Horovod's local and cross ranks
 set as horovodrun would on two hosts): ranks of one node talk over its loopback, unshaped, and
@@ -19,7 +20,10 @@ hvd_compress.torch.DistributedOptimizer. With --model keras-resnet50 the same ro
 Keras' ResNet-50 through horovod.tensorflow.keras and hvd_compress.tensorflow.keras instead,
 without the DDP rows (they are torch's). Columns per rate: median ms/step of rank 0, speedup over
 uncompressed Horovod at that rate, and bytes rank 0 sent per step as counted by its veth
-(/proc/net/dev: payload plus TCP/IP headers). Horovod runs over Gloo (no MPI launcher can
+(/proc/net/dev: payload plus TCP/IP headers). With --rounds N the table runs N times, the rows
+in reverse order every other time, so that a machine drifting during the run weighs on every
+row alike; a row then shows its median ms/step, the median of the speedups each round measured
+against its own baseline, and the lowest and highest of them. Horovod runs over Gloo (no MPI launcher can
 cross the namespaces); the ranks get the same rendezvous that horovodrun would give them.
 
 Needs root (namespaces, tc). The namespaces are deleted on exit, on failure and on Ctrl-C, and
@@ -467,15 +471,37 @@ def ddp_worker(args):
 
 
 # ---- the report -----------------------------------------------------------------------------
+def collapse(rows, base):
+    """One row per rate and row over the rounds: the median ms/step and bytes/step, and the
+    median, lowest and highest of the speedups each round measured against its own `base`."""
+    base_ms = {(r["rate"], r["round"]): r["ms_per_step"] for r in rows if r["row"] == base}
+    runs: dict[tuple, list] = {}
+    for r in rows:  # in the first round's order
+        runs.setdefault((r["rate"], r["row"]), []).append(r)
+    out = []
+    for (rate, label), rs in runs.items():
+        speedups = [base_ms[rate, r["round"]] / r["ms_per_step"] for r in rs]
+        out.append({"rate": rate, "row": label, "spec": rs[0]["spec"],
+                    "ms_per_step": statistics.median(r["ms_per_step"] for r in rs),
+                    "bytes_per_step": int(statistics.median(r["bytes_per_step"] for r in rs)),
+                    "speedup": statistics.median(speedups), "speedup_low": min(speedups),
+                    "speedup_high": max(speedups), "rounds": len(rs)})
+    return out
+
+
 def report(rows, rates, settings, out_dir, table=ROWS, name="network"):
     by = {(r["rate"], r["row"]): r for r in rows}
     labels = [label for label, _, _ in table if any(r["row"] == label for r in rows)]
-    for r in rows:
-        r["speedup"] = by[(r["rate"], table[0][0])]["ms_per_step"] / r["ms_per_step"]
-    header = ["row"] + [f"{rate} {c}" for rate in rates for c in ("ms/step", "speedup", "bytes/step")]
-    lines = [[label] + [x for rate in rates for x in (
-        f"{by[(rate, label)]['ms_per_step']:.1f}", f"{by[(rate, label)]['speedup']:.2f}x",
-        f"{by[(rate, label)]['bytes_per_step']:,}")] for label in labels]
+    spread = settings.get("rounds", 1) > 1
+    cols = ("ms/step", "speedup") + (("speedup range",) if spread else ()) + ("bytes/step",)
+    header = ["row"] + [f"{rate} {c}" for rate in rates for c in cols]
+
+    def cells(r):
+        return [f"{r['ms_per_step']:.1f}", f"{r['speedup']:.2f}x"] + (
+            [f"{r['speedup_low']:.2f}-{r['speedup_high']:.2f}x"] if spread else []) + [
+            f"{r['bytes_per_step']:,}"]
+    lines = [[label] + [x for rate in rates for x in cells(by[(rate, label)])]
+             for label in labels]
     print(results.markdown(header, lines))
     results.write(out_dir, name, settings, rows)
     plt = results.pyplot()
@@ -507,6 +533,8 @@ def main():
                          "encoder)")
     ap.add_argument("--bucket-mb", type=float, default=0, help="our optimizer's bucket_mb")
     ap.add_argument("--steps", type=int, default=None, help="timed steps per row and rate")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="times the table runs per rate, in alternating order (1)")
     ap.add_argument("--rates", default=",".join(RATES), help="comma-separated: " + ", ".join(RATES))
     ap.add_argument("--out", default=results.DEFAULT_OUT)
     ap.add_argument("--layout", choices=list(LAYOUTS), default="1x2",
@@ -533,6 +561,8 @@ def main():
     unknown = [r for r in rates if r not in RATES]
     if unknown:
         sys.exit(f"unknown rate(s) {unknown}; valid: {', '.join(RATES)}")
+    if args.rounds < 1:
+        sys.exit(f"--rounds must be 1 or more, got {args.rounds}")
     params_m = {"resnet50": 25.557032, "transformer": 108.9, "keras-resnet50": 25.583592}.get(
         args.model, args.params_m or (6.0 if args.quick else 25.0))
     opts = {"model": args.model, "params_m": params_m, "bucket_mb": args.bucket_mb,
@@ -561,17 +591,21 @@ def main():
 
             def timeout(rows):
                 return 600 + len(rows) * (steps_s + 60)
-            hv = [r for r in table if r[1] != "ddp"]
-            run_horovod(link, hv, opts, os.path.join(tmp, "h.json"), timeout(hv), per_node)
-            parts = ["h.json"]
-            ddp = [r for r in table if r[1] == "ddp"]
-            if ddp:
-                run_ddp(link, ddp, opts, os.path.join(tmp, "d.json"), timeout(ddp))
-                parts.append("d.json")
-            for part in parts:
-                with open(os.path.join(tmp, part)) as f:
-                    rows += [{"rate": rate, **r} for r in json.load(f)]
+            for k in range(args.rounds):
+                order = 1 if k % 2 == 0 else -1
+                hv = [r for r in table if r[1] != "ddp"][::order]
+                run_horovod(link, hv, opts, os.path.join(tmp, "h.json"), timeout(hv), per_node)
+                parts = ["h.json"]
+                ddp = [r for r in table if r[1] == "ddp"][::order]
+                if ddp:
+                    run_ddp(link, ddp, opts, os.path.join(tmp, "d.json"), timeout(ddp))
+                    parts.append("d.json")
+                for part in parts:
+                    with open(os.path.join(tmp, part)) as f:
+                        rows += [{"rate": rate, "round": k, **r} for r in json.load(f)[::order]]
+    rows = collapse(rows, table[0][0])
     settings = {**opts, "rates": rates, "ranks": 2 * per_node, "layout": args.layout,
+                "rounds": args.rounds,
                 "threads_per_rank": 1,
                 "network": "veth pair between two namespaces, tc tbf on both ends"}
     name = "network" if args.layout == "1x2" else f"network_{args.layout}"

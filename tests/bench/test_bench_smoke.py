@@ -135,10 +135,12 @@ NETWORK_UNAVAILABLE = network_unavailable()
 # The issue allows this one skip: the network bench cannot run without root and namespaces.
 @pytest.mark.skipif(NETWORK_UNAVAILABLE is not None, reason=f"{NETWORK_UNAVAILABLE}")
 def test_network_quick(tmp_path):
+    """Two rounds (the second in reverse order): still one row per configuration, in the
+    table's order, its speedup the median of the rounds' and within their range."""
     import network
     before = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     proc = run("network.py", "--quick", "--params-m", "0.3", "--steps", "1", "--rates", "1gbit",
-               "--out", str(tmp_path))
+               "--rounds", "2", "--out", str(tmp_path))
     data, rows = outputs(tmp_path, "network")
     assert [r["row"] for r in rows] == [label for label, how, _ in network.ROWS
                                        if how != "ddp"] + [label for label, how, _ in network.ROWS
@@ -147,6 +149,10 @@ def test_network_quick(tmp_path):
     assert all(int(r["bytes_per_step"]) > 0 for r in rows)
     base = next(r for r in rows if r["row"] == network.ROWS[0][0])
     assert float(base["speedup"]) == 1.0
+    assert data["settings"]["rounds"] == 2 and all(int(r["rounds"]) == 2 for r in rows)
+    assert all(float(r["speedup_low"]) <= float(r["speedup"]) <= float(r["speedup_high"])
+               for r in rows)
+    assert "speedup range" in proc.stdout
     # every namespace it made is gone
     after = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert [line for line in after.splitlines() if "hvdc-bench-" in line] == \
