@@ -141,7 +141,9 @@ __global__ void dither_aggregate_k(const uint8_t* base, int64_t ranks, int64_t s
       uint64_t w = 0;
       for (int byte = 0; byte < b; ++byte) w |= static_cast<uint64_t>(group[byte]) << (8 * byte);
       const int64_t c = static_cast<int64_t>((w >> ((i % 8) * b)) & mask);
-      const float m = dither_magnitude(c >= s ? c - s : s - c, s, natural, norm);
+      // A code above 2s (a damaged payload; no encoder makes one) decodes to NaN, as on the CPU.
+      const float m = c > 2 * s ? __int_as_float(0x7fc00000)
+                                : dither_magnitude(c >= s ? c - s : s - c, s, natural, norm);
       sum += al * static_cast<A>(c < s ? -m : m);
     }
     out[i] = from_acc<T>(sum);

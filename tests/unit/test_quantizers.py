@@ -213,6 +213,34 @@ def test_ranks_with_other_settings_are_refused():
         _C.aggregate(cid, gathered, torch.empty(100), p, 0.5)
 
 
+def test_code_above_2s_decodes_to_nan():
+    """No encoder makes a code above 2s, but the bit width holds one (s=3: 3 bits, codes 0..7):
+    a damaged payload decodes to NaN there instead of reading past its decode table."""
+    n = 1000
+    _, cid, fields, p = setup("dithering,s=3", n, 0)
+    payload = encode(cid, random_grad(n, "float32", seed=4), p).view(torch.uint8).reshape(-1)
+    for j in (5, 500, n - 1):  # in a vectorised block and in the tail
+        bit = 16 * 8 + 3 * j  # codes start after the 16-byte header
+        for k in range(3):
+            payload[(bit + k) // 8] |= 1 << ((bit + k) % 8)
+    out = torch.zeros(n)
+    _C.aggregate(cid, torch.stack([payload, payload]), out, p, 0.5)
+    assert out.isnan().nonzero().flatten().tolist() == [5, 500, n - 1]
+
+
+def test_large_aggregate_matches_reference():
+    """An output large enough for non-temporal stores, three ranks."""
+    n = (9 << 20) // 4 + 5
+    codec, cid, fields, _ = setup("dithering", n, 0)
+    payloads = [encode(cid, random_grad(n, "float32", seed=r), params(seed=r, **fields))
+                for r in range(3)]
+    out = torch.empty(n)
+    _C.aggregate(cid, torch.stack([pl.view(torch.uint8).reshape(-1) for pl in payloads]), out,
+                 params(**fields), 1.0 / 3)
+    want = ref.aggregate(codec, [payload_bytes(pl) for pl in payloads], n, "float32", 1.0 / 3)
+    assert same_bits(t2n(out), want)
+
+
 # ---- natural: special values in every position, for the float32 SIMD path -------------------
 # Run in-process against the reference (so once per path under HVDC_FORCE_SCALAR=0/1) and in
 # two subprocesses against each other.
