@@ -123,10 +123,11 @@ void aggregate(DType d, const void* payloads, int64_t ranks, int64_t stride, int
 namespace quant {
 int64_t dither_payload_bytes(int64_t n, int64_t s);
 void dither_encode(DType d, const void* x, int64_t n, const Params& p, void* payload);
-// dither_encode(e), then e += alpha * D(payload), in the coding pass: the bits of
-// dither_aggregate(payload, 1 rank, accumulating into e).
-void dither_encode_settle(DType d, void* e, int64_t n, const Params& p, void* payload,
-                          double alpha);
+// Error feedback in two passes over x and e_in (the norm, then the codes): dither_encode of
+// p = ef_sum(x, e_in), and e = p + alpha * D(payload) as it codes, to the bits of
+// dither_aggregate(payload, 1 rank, accumulating into p). e may be e_in.
+void dither_ef_encode(DType d, const void* x, const void* e_in, void* e, int64_t n,
+                      const Params& p, void* payload, double alpha);
 void dither_aggregate(DType d, const void* payloads, int64_t ranks, int64_t stride, int64_t n,
                       const Params& p, void* out, double alpha, bool acc);
 int64_t natural_payload_bytes(int64_t n);

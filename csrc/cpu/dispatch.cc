@@ -298,6 +298,8 @@ void ef_encode(CodecId c, DType d, const void* x, const void* e_in, void* e, flo
     topk::ef_accumulate_encode(d, x, e_in, e, n, p, payload);
   } else if (c == kThreshold) {
     sparse::threshold_ef_accumulate_encode(d, x, e_in, e, n, p, payload);
+  } else if (c == kDither) {  // the sum is not stored; the residual is taken as it codes
+    return quant::dither_ef_encode(d, x, e_in, e, n, p, payload, -1.0 / p.prescale);
   } else {
     dispatch_dtype(d, [&](auto* tag) {
       using T = std::remove_pointer_t<decltype(tag)>;
@@ -306,8 +308,6 @@ void ef_encode(CodecId c, DType d, const void* x, const void* e_in, void* e, flo
       T* es = static_cast<T*>(e);
       for (int64_t i = 0; i < n; ++i) es[i] = ef_sum(xs[i], ein[i]);
     });
-    if (c == kDither)  // the residual is taken in the coding pass
-      return quant::dither_encode_settle(d, e, n, p, payload, -1.0 / p.prescale);
     encode(c, d, e, n, p, payload);
   }
   // D undoes the prescale, so the residual is measured in gradient units.

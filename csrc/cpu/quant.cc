@@ -49,9 +49,10 @@ double tree16(const double* v) {
   return (a[0] + a[1]) + (a[2] + a[3]);
 }
 
-__attribute__((target("avx2"))) void stats_f32_avx2(const float* x, int64_t n, bool sums,
-                                                    Stats* st, int64_t* done, double* s1,
-                                                    double* s2, float* mx) {
+// With y, the statistics of x + y (error feedback's sum, never stored).
+__attribute__((target("avx2"))) void stats_f32_avx2(const float* x, const float* y, int64_t n,
+                                                    bool sums, Stats* st, int64_t* done,
+                                                    double* s1, double* s2, float* mx) {
   const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   __m256 m = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
   __m256d a[4] = {_mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd()};
@@ -59,7 +60,12 @@ __attribute__((target("avx2"))) void stats_f32_avx2(const float* x, int64_t n, b
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
     prefetch_ahead(x + i);
-    const __m256 v0 = _mm256_loadu_ps(x + i), v1 = _mm256_loadu_ps(x + i + 8);
+    __m256 v0 = _mm256_loadu_ps(x + i), v1 = _mm256_loadu_ps(x + i + 8);
+    if (y) {
+      prefetch_ahead(y + i);
+      v0 = _mm256_add_ps(v0, _mm256_loadu_ps(y + i));
+      v1 = _mm256_add_ps(v1, _mm256_loadu_ps(y + i + 8));
+    }
     // max_ps returns its second operand when either is NaN: keep NaNs visible separately.
     bad = _mm256_or_ps(bad, _mm256_cmp_ps(v0, v1, _CMP_UNORD_Q));
     m = _mm256_max_ps(m, _mm256_and_ps(v0, absmask));
@@ -87,16 +93,16 @@ __attribute__((target("avx2"))) void stats_f32_avx2(const float* x, int64_t n, b
 }
 
 template <class T>
-Stats stats(const T* x, int64_t n, bool sums) {
+Stats stats(const T* x, const T* y, int64_t n, bool sums) {
   Stats st;
   double s1[kSumLanes] = {0}, s2[kSumLanes] = {0};
   float mx = 0.0f;
   int64_t i = 0;
   if constexpr (std::is_same_v<T, float>) {
-    if (cpu_has_avx2_f16c()) stats_f32_avx2(x, n, sums, &st, &i, s1, s2, &mx);
+    if (cpu_has_avx2_f16c()) stats_f32_avx2(x, y, n, sums, &st, &i, s1, s2, &mx);
   }
   for (; i < n; ++i) {
-    const float v = static_cast<float>(to_acc(x[i]));
+    const float v = static_cast<float>(to_acc(y ? ef_sum(x[i], y[i]) : x[i]));
     if (std::isnan(v)) st.finite = false;
     mx = std::max(mx, std::fabs(v));
     if (sums) {
@@ -142,13 +148,16 @@ inline uint64_t get_group(const uint8_t* codes, int64_t g, int b, int64_t cap) {
 // Linear levels, float32 input: 32 codes per step, same arithmetic as linear_level(). Codes are
 // narrowed to bytes, then each 64-bit lane's 8 bytes are squeezed to 8 * bits bits by three
 // shift-and-merge rounds (pairs, quads, octets), so only one store per 8 codes leaves SIMD.
-// With resid, also resid += alpha * values[code] (error feedback's decode, fused: the rounding
-// of dither_aggregate's accumulation for one rank).
-__attribute__((target("avx2"))) int64_t dither_linear_f32_avx2(const float* x, int64_t n, float scale,
-                                                               int64_t s, uint64_t seed, int b,
-                                                               int64_t cap, uint8_t* codes,
-                                                               float* resid, const float* values,
-                                                               float alpha) {
+// With y, codes x + y. With resid, also resid = v + alpha * values[code] for the coded v
+// (error feedback's decode, fused: the rounding of dither_aggregate's accumulation for one
+// rank); resid may be x or y.
+__attribute__((target("avx2"))) int64_t dither_linear_f32_avx2(const float* x, const float* y,
+                                                               int64_t n, float scale, int64_t s,
+                                                               uint64_t seed, int b, int64_t cap,
+                                                               uint8_t* codes, float* resid,
+                                                               const float* values, float alpha) {
+  // A residual that fills no cache is written past it: no read for ownership.
+  const bool stream = resid && stream_to(resid, 4 * n);
   const __m256 valpha = _mm256_set1_ps(alpha);
   const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   const __m256 vscale = _mm256_set1_ps(scale), sf = _mm256_set1_ps(static_cast<float>(s));
@@ -163,6 +172,7 @@ __attribute__((target("avx2"))) int64_t dither_linear_f32_avx2(const float* x, i
   int64_t i = 0;
   for (; i + 32 <= n; i += 32) {
     prefetch_ahead(x + i);
+    if (y) prefetch_ahead(y + i);
     __m256i c[4];
     __m256 us[4];
     uniform16(seed, key, &us[0], &us[1]);
@@ -170,7 +180,8 @@ __attribute__((target("avx2"))) int64_t dither_linear_f32_avx2(const float* x, i
     uniform16(seed, key, &us[2], &us[3]);
     key = _mm256_add_epi32(key, step8);
     for (int u = 0; u < 4; ++u) {
-      const __m256 v = _mm256_loadu_ps(x + i + 8 * u);
+      __m256 v = _mm256_loadu_ps(x + i + 8 * u);
+      if (y) v = _mm256_add_ps(v, _mm256_loadu_ps(y + i + 8 * u));
       const __m256 t = _mm256_min_ps(_mm256_mul_ps(_mm256_and_ps(v, absmask), vscale), sf);
       const __m256 f = _mm256_floor_ps(t);
       const __m256 up = _mm256_cmp_ps(us[u], _mm256_sub_ps(t, f), _CMP_LT_OQ);
@@ -180,8 +191,9 @@ __attribute__((target("avx2"))) int64_t dither_linear_f32_avx2(const float* x, i
       c[u] = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(_mm256_add_epi32(vs, l)),
                                                   _mm256_castsi256_ps(_mm256_sub_epi32(vs, l)), v));
       if (resid) {
-        const __m256 d = _mm256_mul_ps(valpha, _mm256_i32gather_ps(values, c[u], 4));
-        _mm256_storeu_ps(resid + i + 8 * u, _mm256_add_ps(_mm256_loadu_ps(resid + i + 8 * u), d));
+        const __m256 r = _mm256_add_ps(v, _mm256_mul_ps(valpha, _mm256_i32gather_ps(values, c[u], 4)));
+        if (stream) _mm256_stream_ps(resid + i + 8 * u, r);
+        else _mm256_storeu_ps(resid + i + 8 * u, r);
       }
     }
     __m256i w = _mm256_packus_epi16(_mm256_packus_epi32(c[0], c[1]), _mm256_packus_epi32(c[2], c[3]));
@@ -193,6 +205,7 @@ __attribute__((target("avx2"))) int64_t dither_linear_f32_avx2(const float* x, i
     _mm256_store_si256(reinterpret_cast<__m256i*>(g), w);
     for (int u = 0; u < 4; ++u) put_group(codes, i / 8 + u, b, cap, g[u]);
   }
+  if (stream) _mm_sfence();
   return i;
 }
 
@@ -360,10 +373,10 @@ void dither_values(float norm, const Params& p, float* values) {
   }
 }
 
-// dither_encode; with resid, also resid += alpha * D(payload) as it codes, to the bits of
-// dither_aggregate(payload, ranks 1, acc) into resid.
-void dither_code(DType d, const void* x, int64_t n, const Params& p, void* payload, void* resid,
-                 double alpha) {
+// dither_encode of x, or with y of ef_sum(x, y); with resid, also resid = that + alpha *
+// D(payload) as it codes, to the bits of dither_aggregate(payload, ranks 1, acc) into it.
+void dither_code(DType d, const void* x, const void* y, int64_t n, const Params& p,
+                 void* payload, void* resid, double alpha) {
   auto* out = static_cast<uint8_t*>(payload);
   const int b = bits_for(p.s);
   const int64_t cap = code_bytes(n, b);
@@ -378,16 +391,18 @@ void dither_code(DType d, const void* x, int64_t n, const Params& p, void* paylo
   dispatch_dtype(d, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     const T* xs = static_cast<const T*>(x);
+    const T* ys = static_cast<const T*>(y);
     using A = typename Acc<T>::type;
     T* rs = static_cast<T*>(resid);
     const A al = static_cast<A>(alpha);
-    const Stats st = stats(xs, n, p.normalize != kMax);
+    auto value = [&](int64_t j) { return ys ? ef_sum(xs[j], ys[j]) : xs[j]; };
+    const Stats st = stats(xs, ys, n, p.normalize != kMax);
     float norm = dither_norm(st, n, p);
     std::memcpy(out + 8, &norm, 4);
     std::vector<float> values(rs ? static_cast<size_t>(2 * p.s + 1) : 0);
     if (rs) dither_values(norm, p, values.data());
-    auto settle = [&](int64_t j, int64_t c) {
-      rs[j] = from_acc<T>(to_acc(rs[j]) + al * static_cast<A>(values[c]));
+    auto settle = [&](int64_t j, T v, int64_t c) {
+      rs[j] = from_acc<T>(to_acc(v) + al * static_cast<A>(values[c]));
     };
     if (!(norm > 0.0f) || !std::isfinite(norm)) {  // zero or broken: every code is level 0
       uint64_t w = 0;
@@ -397,25 +412,26 @@ void dither_code(DType d, const void* x, int64_t n, const Params& p, void* paylo
         put_group(codes, g, b, cap, k == 8 ? w : w & ((uint64_t{1} << (k * b)) - 1));
       }
       if (rs)
-        for (int64_t j = 0; j < n; ++j) settle(j, p.s);
+        for (int64_t j = 0; j < n; ++j) settle(j, value(j), p.s);
     } else {
       const float sf = static_cast<float>(p.s), inv = 1.0f / norm, scale = sf / norm;
       int64_t i = 0;
       if constexpr (std::is_same_v<T, float>) {
         if (!natural && cpu_has_avx2_f16c())
-          i = dither_linear_f32_avx2(xs, n, scale, p.s, p.seed, b, cap, codes, rs, values.data(),
-                                     al);
+          i = dither_linear_f32_avx2(xs, ys, n, scale, p.s, p.seed, b, cap, codes, rs,
+                                     values.data(), al);
       }
       for (; i < n; i += 8) {
         uint64_t w = 0;
         for (int64_t j = i; j < std::min(n, i + 8); ++j) {
-          const float v = static_cast<float>(to_acc(xs[j]));
+          const T xv = value(j);
+          const float v = static_cast<float>(to_acc(xv));
           const float u = uniform(p.seed, j);
           const int32_t l = natural ? natural_level(std::min(std::fabs(v) * inv, 1.0f), u, p.s)
                                     : linear_level(std::min(std::fabs(v) * scale, sf), u);
           const int64_t c = v < 0.0f ? p.s - l : p.s + l;
           w |= static_cast<uint64_t>(c) << ((j - i) * b);
-          if (rs) settle(j, c);
+          if (rs) settle(j, xv, c);
         }
         put_group(codes, i / 8, b, cap, w);
       }
@@ -470,12 +486,12 @@ __attribute__((target("avx2"))) int64_t dither_aggregate_f32_avx2(const uint8_t*
 }  // namespace
 
 void dither_encode(DType d, const void* x, int64_t n, const Params& p, void* payload) {
-  dither_code(d, x, n, p, payload, nullptr, 0.0);
+  dither_code(d, x, nullptr, n, p, payload, nullptr, 0.0);
 }
 
-void dither_encode_settle(DType d, void* e, int64_t n, const Params& p, void* payload,
-                          double alpha) {
-  dither_code(d, e, n, p, payload, e, alpha);
+void dither_ef_encode(DType d, const void* x, const void* e_in, void* e, int64_t n,
+                      const Params& p, void* payload, double alpha) {
+  dither_code(d, x, e_in, n, p, payload, e, alpha);
 }
 
 // Sum over ranks of alpha * D(payload_r), accumulated in the gradient's accumulator type.

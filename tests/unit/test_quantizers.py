@@ -213,6 +213,24 @@ def test_ranks_with_other_settings_are_refused():
         _C.aggregate(cid, gathered, torch.empty(100), p, 0.5)
 
 
+def test_large_error_feedback_matches_reference():
+    """A residual large enough for non-temporal stores, written into a second buffer and then
+    in place."""
+    n = (9 << 20) // 4 + 5
+    codec, cid, fields, p = setup("dithering", n, seed=2)
+    e_in = random_grad(n, "float32", seed=1) * 0.1
+    e_ref = t2n(e_in)
+    e = torch.empty_like(e_in)
+    for step in range(2):
+        x = random_grad(n, "float32", seed=10 + step)
+        payload = _C.new_payload(cid, x, p)
+        _C.ef_encode(cid, x, e, torch.zeros(0), p, payload, e_in=e_in)
+        want, e_ref = ref.ef_encode(codec, t2n(x), e_ref, "float32", seed=2, **fields)
+        assert payload_bytes(payload) == want, f"step {step}"
+        assert same_bits(t2n(e), e_ref), f"step {step}"
+        e_in = e
+
+
 def test_code_above_2s_decodes_to_nan():
     """No encoder makes a code above 2s, but the bit width holds one (s=3: 3 bits, codes 0..7):
     a damaged payload decodes to NaN there instead of reading past its decode table."""
