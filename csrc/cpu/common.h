@@ -115,6 +115,9 @@ void decode(DType d, const void* payload, int64_t n, const Params& p, void* out,
 namespace minmax8 {
 int64_t payload_bytes(int64_t n, int64_t chunk);
 void encode(DType d, const void* x, int64_t n, const Params& p, void* payload);
+// e = ef_sum(x, e_in), encode(e), e += alpha * D(payload), in one pass; e may be e_in.
+void ef_encode(DType d, const void* x, const void* e_in, void* e, int64_t n, const Params& p,
+               void* payload, double alpha);
 void decode(DType d, const void* payload, int64_t n, const Params& p, void* out, double alpha,
             bool acc);
 void aggregate(DType d, const void* payloads, int64_t ranks, int64_t stride, int64_t n,

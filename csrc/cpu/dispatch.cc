@@ -300,6 +300,8 @@ void ef_encode(CodecId c, DType d, const void* x, const void* e_in, void* e, flo
     sparse::threshold_ef_accumulate_encode(d, x, e_in, e, n, p, payload);
   } else if (c == kDither) {  // the sum is not stored; the residual is taken as it codes
     return quant::dither_ef_encode(d, x, e_in, e, n, p, payload, -1.0 / p.prescale);
+  } else if (c == kMinMax8) {  // chunk by chunk, each in cache from its sum to its residual
+    return minmax8::ef_encode(d, x, e_in, e, n, p, payload, -1.0 / p.prescale);
   } else {
     dispatch_dtype(d, [&](auto* tag) {
       using T = std::remove_pointer_t<decltype(tag)>;

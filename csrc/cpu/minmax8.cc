@@ -47,14 +47,6 @@ Grid grid(float lo, float hi) {
   return {lo, range / 255.0f, 255.0f / range};
 }
 
-// Decoded value of one code: lo + code * step.
-template <class A>
-void add_chunk(const uint8_t* codes, int64_t len, float lo, float hi, A alpha, A* acc) {
-  const Grid g = grid(lo, hi);
-  for (int64_t j = 0; j < len; ++j)
-    acc[j] += alpha * static_cast<A>(g.lo + static_cast<float>(codes[j]) * g.step);
-}
-
 // Bounds of one float chunk; NaN anywhere gives NaN bounds. -0 becomes +0 so that which zero
 // a min/max returns (order-dependent) never shows in the payload.
 __attribute__((target("avx2"))) void bounds_f32_avx2(const float* x, int64_t len, float* lo,
@@ -106,6 +98,90 @@ __attribute__((target("avx2"))) void codes_f32_avx2(const float* x, int64_t len,
   for (; j < len; ++j) codes[j] = minmax8_code(x[j], lo, inv);
 }
 
+// out[j0, len) (+)= sum over ranks of alpha * (lo_r + code_r * step_r), rank 0 first, per
+// element in the accumulator type: what every decode and aggregation of minmax8 computes.
+template <class T>
+void sum_chunk(const uint8_t* const* codes, const Grid* g, int64_t ranks, int64_t j0,
+               int64_t len, double alpha, bool acc, T* out) {
+  using A = typename Acc<T>::type;
+  const A al = static_cast<A>(alpha);
+  for (int64_t j = j0; j < len; ++j) {
+    A sum = acc ? to_acc(out[j]) : A(0);
+    for (int64_t r = 0; r < ranks; ++r)
+      sum += al * static_cast<A>(g[r].lo + static_cast<float>(codes[r][j]) * g[r].step);
+    out[j] = from_acc<T>(sum);
+  }
+}
+
+// sum_chunk for float32, 8 elements per step; stream: out is 32-byte aligned and not read.
+__attribute__((target("avx2"))) int64_t sum_chunk_f32_avx2(const uint8_t* const* codes,
+                                                          const Grid* g, int64_t ranks,
+                                                          int64_t len, float alpha, bool acc,
+                                                          bool stream, float* out) {
+  const __m256 va = _mm256_set1_ps(alpha);
+  int64_t j = 0;
+  for (; j + 8 <= len; j += 8) {
+    __m256 sum = acc ? _mm256_loadu_ps(out + j) : _mm256_setzero_ps();
+    for (int64_t r = 0; r < ranks; ++r) {
+      const __m256 c = _mm256_cvtepi32_ps(
+          _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes[r] + j))));
+      const __m256 v = _mm256_add_ps(_mm256_set1_ps(g[r].lo), _mm256_mul_ps(c, _mm256_set1_ps(g[r].step)));
+      sum = _mm256_add_ps(sum, _mm256_mul_ps(va, v));
+    }
+    if (stream) _mm256_stream_ps(out + j, sum);
+    else _mm256_storeu_ps(out + j, sum);
+  }
+  return j;
+}
+
+template <class T>
+void add_chunk(const uint8_t* const* codes, const Grid* g, int64_t ranks, int64_t len,
+               double alpha, bool acc, bool stream, T* out) {
+  int64_t j = 0;
+  if constexpr (std::is_same_v<T, float>) {
+    if (cpu_has_avx2_f16c())
+      j = sum_chunk_f32_avx2(codes, g, ranks, len, static_cast<float>(alpha), acc, stream, out);
+  }
+  sum_chunk(codes, g, ranks, j, len, alpha, acc, out);
+}
+
+// Bounds and codes of one chunk, [lo, hi] into bounds.
+template <class T>
+void encode_chunk(const T* xs, int64_t len, float* bounds, uint8_t* codes) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (cpu_has_avx2_f16c()) {
+      bounds_f32_avx2(xs, len, &bounds[0], &bounds[1]);
+      const Grid g = grid(bounds[0], bounds[1]);
+      codes_f32_avx2(xs, len, g.lo, g.inv, codes);
+      return;
+    }
+  }
+  float lo = static_cast<float>(to_acc(xs[0])), hi = lo;
+  bool nan = std::isnan(lo);
+  for (int64_t j = 1; j < len; ++j) {
+    const float v = static_cast<float>(to_acc(xs[j]));
+    nan |= std::isnan(v);
+    lo = v < lo ? v : lo;
+    hi = v > hi ? v : hi;
+  }
+  if (nan) lo = hi = std::nanf("");
+  lo += 0.0f;  // -0 -> +0, see bounds_f32_avx2
+  hi += 0.0f;
+  bounds[0] = lo;
+  bounds[1] = hi;
+  const Grid g = grid(lo, hi);
+  for (int64_t j = 0; j < len; ++j)
+    codes[j] = minmax8_code(static_cast<float>(to_acc(xs[j])), g.lo, g.inv);
+}
+
+Layout start_payload(void* payload, DType d, int64_t n, int64_t c) {
+  Layout L = layout(payload, n, c);
+  L.head[0] = payload_tag(kMinMax8, d);
+  L.head[1] = static_cast<uint32_t>(c);
+  std::fill(L.codes + n, L.codes + (n + 7) / 8 * 8, uint8_t(0));
+  return L;
+}
+
 }  // namespace
 
 int64_t payload_bytes(int64_t n, int64_t c) {
@@ -114,42 +190,33 @@ int64_t payload_bytes(int64_t n, int64_t c) {
 
 void encode(DType d, const void* x, int64_t n, const Params& p, void* payload) {
   const int64_t c = p.chunk;
-  Layout L = layout(payload, n, c);
-  L.head[0] = payload_tag(kMinMax8, d);
-  L.head[1] = static_cast<uint32_t>(c);
-  std::fill(L.codes + n, L.codes + (n + 7) / 8 * 8, uint8_t(0));
+  const Layout L = start_payload(payload, d, n, c);
   dispatch_dtype(d, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     const T* xs = static_cast<const T*>(x);
+    for (int64_t k = 0; k * c < n; ++k)
+      encode_chunk(xs + k * c, std::min(c, n - k * c), L.bounds + 2 * k, L.codes + k * c);
+  });
+}
+
+// One pass, chunk by chunk while the chunk is in cache: e = ef_sum(x, e_in), its bounds and
+// codes, then e += alpha * D(chunk). The bits of the generic sum, encode and decode.
+void ef_encode(DType d, const void* x, const void* e_in, void* e, int64_t n, const Params& p,
+               void* payload, double alpha) {
+  const int64_t c = p.chunk;
+  const Layout L = start_payload(payload, d, n, c);
+  dispatch_dtype(d, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const T* xs = static_cast<const T*>(x);
+    const T* ein = static_cast<const T*>(e_in);
+    T* es = static_cast<T*>(e);
     for (int64_t k = 0; k * c < n; ++k) {
       const int64_t s = k * c, len = std::min(c, n - s);
-      if constexpr (std::is_same_v<T, float>) {
-        if (cpu_has_avx2_f16c()) {
-          float lo, hi;
-          bounds_f32_avx2(xs + s, len, &lo, &hi);
-          L.bounds[2 * k] = lo;
-          L.bounds[2 * k + 1] = hi;
-          codes_f32_avx2(xs + s, len, grid(lo, hi).lo, grid(lo, hi).inv, L.codes + s);
-          continue;
-        }
-      }
-      float lo = static_cast<float>(to_acc(xs[s])), hi = lo;
-      bool nan = std::isnan(lo);
-      for (int64_t j = 1; j < len; ++j) {
-        const float v = static_cast<float>(to_acc(xs[s + j]));
-        nan |= std::isnan(v);
-        lo = v < lo ? v : lo;
-        hi = v > hi ? v : hi;
-      }
-      if (nan) lo = hi = std::nanf("");
-      lo += 0.0f;  // -0 -> +0, see bounds_f32_avx2
-      hi += 0.0f;
-      L.bounds[2 * k] = lo;
-      L.bounds[2 * k + 1] = hi;
-      const Grid g = grid(lo, hi);
-      for (int64_t j = 0; j < len; ++j) {
-        L.codes[s + j] = minmax8_code(static_cast<float>(to_acc(xs[s + j])), g.lo, g.inv);
-      }
+      for (int64_t j = s; j < s + len; ++j) es[j] = ef_sum(xs[j], ein[j]);
+      encode_chunk(es + s, len, L.bounds + 2 * k, L.codes + s);
+      const uint8_t* codes = L.codes + s;
+      const Grid g = grid(L.bounds[2 * k], L.bounds[2 * k + 1]);
+      add_chunk(&codes, &g, 1, len, alpha, true, false, es + s);
     }
   });
 }
@@ -165,25 +232,27 @@ void aggregate(DType d, const void* payloads, int64_t ranks, int64_t stride, int
                const Params& p, void* out, double alpha, bool acc) {
   const int64_t c = p.chunk;
   const auto* base = static_cast<const uint8_t*>(payloads);
+  std::vector<Layout> rank(static_cast<size_t>(ranks));
   for (int64_t r = 0; r < ranks; ++r) {
     check_tag(base + r * stride, kMinMax8, d, r);
     check_chunk(base + r * stride, c, r);
+    rank[r] = layout(const_cast<uint8_t*>(base + r * stride), n, c);
   }
+  std::vector<const uint8_t*> codes(static_cast<size_t>(ranks));
+  std::vector<Grid> g(static_cast<size_t>(ranks));
   dispatch_dtype(d, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    using A = typename Acc<T>::type;
     T* o = static_cast<T*>(out);
-    std::vector<A> sum(static_cast<size_t>(std::min(n, c)));
+    const bool stream = !acc && c % 8 == 0 && stream_to(out, static_cast<int64_t>(sizeof(T)) * n);
     for (int64_t k = 0; k * c < n; ++k) {
-      const int64_t s = k * c, len = std::min(c, n - s);
-      for (int64_t j = 0; j < len; ++j) sum[j] = acc ? to_acc(o[s + j]) : A(0);
+      const int64_t s = k * c;
       for (int64_t r = 0; r < ranks; ++r) {
-        const Layout L = layout(const_cast<uint8_t*>(base + r * stride), n, c);
-        add_chunk(L.codes + s, len, L.bounds[2 * k], L.bounds[2 * k + 1], static_cast<A>(alpha),
-                  sum.data());
+        codes[r] = rank[r].codes + s;
+        g[r] = grid(rank[r].bounds[2 * k], rank[r].bounds[2 * k + 1]);
       }
-      for (int64_t j = 0; j < len; ++j) o[s + j] = from_acc<T>(sum[j]);
+      add_chunk(codes.data(), g.data(), ranks, std::min(c, n - s), alpha, acc, stream, o + s);
     }
+    if (stream) _mm_sfence();
   });
 }
 

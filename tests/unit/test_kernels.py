@@ -87,6 +87,29 @@ def test_aggregate_matches_reference(codec, ranks, dtype):
         assert same_bits(t2n(out), want)
 
 
+def test_minmax8_large_aggregate_and_error_feedback_match_reference():
+    """The default chunk (whole SIMD steps, non-temporal stores into a large output), and error
+    feedback in one pass into a second buffer, then in place."""
+    n = (9 << 20) // 4 + 5
+    p = params(chunk=4096)
+    xs = [random_grad(n, "float32", seed=r) for r in range(3)]
+    payloads = [encode("minmax8", x, p) for x in xs]
+    out = torch.empty(n)
+    _C.aggregate(ID["minmax8"], torch.stack([pl.view(torch.uint8).reshape(-1) for pl in payloads]),
+                 out, p, 1.0 / 3)
+    want = ref.aggregate("minmax8", [payload_bytes(pl) for pl in payloads], n, "float32", 1.0 / 3)
+    assert same_bits(t2n(out), want)
+    e_in = xs[2] * 0.1
+    e_ref, e = t2n(e_in), torch.empty_like(e_in)
+    for step in range(2):
+        payload = _C.new_payload(ID["minmax8"], xs[step], p)
+        _C.ef_encode(ID["minmax8"], xs[step], e, torch.zeros(0), p, payload, e_in=e_in)
+        want, e_ref = ref.ef_encode("minmax8", t2n(xs[step]), e_ref, "float32", chunk=4096)
+        assert payload_bytes(payload) == want, f"step {step}"
+        assert same_bits(t2n(e), e_ref), f"step {step}"
+        e_in = e
+
+
 def summed_words(payloads: list[bytes]) -> torch.Tensor:
     """What Horovod's int32 allreduce of two ranks' words returns: each payload's bytes as
     little-endian words, the last one zero-padded, added with wrap-around."""
