@@ -79,7 +79,8 @@ class CodecInfo:
     elementwise: each element is encoded from its own value alone (a cast), so a bucket gives
     the per-tensor result whatever its granularity.
     pair_aggregates: two ranks' payloads are reduced straight from the int32 sum of their words
-    (the kernels' aggregate_pair: fp16 and bf16), where two Gloo ranks gather by that sum
+    (the kernels' aggregate_pair: fp16, bf16 and the dithering family), where two Gloo ranks
+    gather by that sum
     (collectives.gather_rows): the other rank's payload is never written out.
     masks_momentum: under momentum=nesterov with error feedback, the momentum of every element
     left with a zero residual (each one sent whole, and any whose value to send was zero) is
@@ -330,14 +331,14 @@ register(CodecInfo(
     doc="random dithering (Horvath et al. 2019): |x|/norm rounded stochastically to one of s "
         "levels, unbiased; codes bit-packed",
     bits_per_element=lambda isz: float(code_bits(8)), uses_seed=True, seed_per_rank=True,
-    strategies=_QUANTISER_STRATEGIES, homomorphic_levels=_dither_levels))
+    strategies=_QUANTISER_STRATEGIES, homomorphic_levels=_dither_levels, pair_aggregates=True))
 register(CodecInfo(
     name="qsgd", kernel_id=9, collective="allgather", aggregation="mean",
     params=(levels_param(127),), wire=_DITHER_WIRE,
     doc="QSGD (Alistarh et al. 2017): dithering with s linear levels of |x|/||x||_2",
     bits_per_element=lambda isz: float(code_bits(127)), uses_seed=True, seed_per_rank=True,
     fixed=(("partition", 0), ("normalize", 1)),
-    strategies=_QUANTISER_STRATEGIES, homomorphic_levels=_dither_levels))
+    strategies=_QUANTISER_STRATEGIES, homomorphic_levels=_dither_levels, pair_aggregates=True))
 register(CodecInfo(
     name="terngrad", kernel_id=9, collective="allgather", aggregation="mean",
     params=(Param("clip", float, 2.5, "a number > 0",
@@ -347,7 +348,7 @@ register(CodecInfo(
         "stochastic and unbiased for the clipped gradient",
     bits_per_element=lambda isz: float(code_bits(1)), uses_seed=True, seed_per_rank=True,
     fixed=(("s", 1), ("partition", 0), ("normalize", 2)),
-    strategies=_QUANTISER_STRATEGIES, homomorphic_levels=_dither_levels))
+    strategies=_QUANTISER_STRATEGIES, homomorphic_levels=_dither_levels, pair_aggregates=True))
 register(CodecInfo(
     name="natural", kernel_id=10, collective="allgather", aggregation="mean", params=(),
     wire="[u32 tag][i32 top exponent][u8 sign << 7 | exponent code per element]",

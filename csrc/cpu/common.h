@@ -133,6 +133,8 @@ void dither_ef_encode(DType d, const void* x, const void* e_in, void* e, int64_t
                       const Params& p, void* payload, double alpha);
 void dither_aggregate(DType d, const void* payloads, int64_t ranks, int64_t stride, int64_t n,
                       const Params& p, void* out, double alpha, bool acc);
+void dither_aggregate_pair(DType d, const void* own, const int32_t* summed, int64_t rank,
+                           int64_t n, const Params& p, void* out, double alpha);
 int64_t natural_payload_bytes(int64_t n);
 void natural_encode(DType d, const void* x, int64_t n, const Params& p, void* payload);
 void natural_aggregate(DType d, const void* payloads, int64_t ranks, int64_t stride, int64_t n,

@@ -439,17 +439,16 @@ void dither_code(DType d, const void* x, const void* y, int64_t n, const Params&
     std::fill(codes + (n + 7) / 8 * b, codes + cap, uint8_t(0));
   });
 }
-// dither_aggregate for float32, 32 elements per step, each element as its scalar loop does
-// (rank 0 first; alpha * value, then the add). Codes are unpacked without leaving SIMD: a code
-// of b <= 8 bits at bit j * b of its group lies in the two bytes from (j * b) / 8, which a byte
-// shuffle moves into lane j, and a variable shift by (j * b) % 8 aligns. lv holds 1 << b
-// values per rank. Covers whole steps up to `whole` elements; returns how far it got.
-__attribute__((target("avx2"))) int64_t dither_aggregate_f32_avx2(const uint8_t* base,
-                                                                 int64_t ranks, int64_t stride,
-                                                                 int64_t whole, int b,
-                                                                 const float* lv, float al,
-                                                                 bool acc, float* out) {
-  const bool stream = !acc && stream_to(out, 4 * whole);
+// dither_sum for float32, 32 elements per step, each element as its scalar loop does (rank 0
+// first; alpha * value, then the add); codes[r] is rank r's first group. Codes are unpacked
+// without leaving SIMD: a code of b <= 8 bits at bit j * b of its group lies in the two bytes
+// from (j * b) / 8, which a byte shuffle moves into lane j, and a variable shift by (j * b) % 8
+// aligns. lv holds 1 << b values per rank. Each group is read as 8 bytes: covers the whole
+// steps up to `whole` elements, which the caller bounds; returns how far it got.
+__attribute__((target("avx2"))) int64_t dither_sum_f32_avx2(const uint8_t* const* codes,
+                                                           int64_t ranks, int64_t whole, int b,
+                                                           const float* lv, float al, bool acc,
+                                                           bool stream, float* out) {
   alignas(32) int8_t pick[32];
   alignas(32) int32_t shift[8];
   for (int j = 0; j < 8; ++j) {
@@ -466,10 +465,10 @@ __attribute__((target("avx2"))) int64_t dither_aggregate_f32_avx2(const uint8_t*
     __m256 s[4];
     for (int u = 0; u < 4; ++u) s[u] = acc ? _mm256_loadu_ps(out + i + 8 * u) : _mm256_setzero_ps();
     for (int64_t r = 0; r < ranks; ++r) {
-      const uint8_t* codes = base + r * stride + kDitherHeader + i / 8 * b;
-      prefetch_ahead(codes);
+      const uint8_t* step = codes[r] + i / 8 * b;
+      prefetch_ahead(step);
       for (int u = 0; u < 4; ++u) {
-        const __m128i w = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + u * b));
+        const __m128i w = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(step + u * b));
         __m256i c = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(w), vpick);
         c = _mm256_and_si256(_mm256_srlv_epi32(c, vshift), mask);
         s[u] = _mm256_add_ps(s[u], _mm256_mul_ps(va, _mm256_i32gather_ps(lv + (r << b), c, 4)));
@@ -480,8 +479,115 @@ __attribute__((target("avx2"))) int64_t dither_aggregate_f32_avx2(const uint8_t*
       else _mm256_storeu_ps(out + i + 8 * u, s[u]);
     }
   }
-  if (stream) _mm_sfence();
   return i;
+}
+
+// Elements per block of a pair's SIMD reduction: the other rank's codes of a block are taken
+// off the word sum into a buffer (at most 4 KiB) first, then read like a gathered payload's.
+// Reading each step's straight after computing it stalls on store forwarding instead.
+constexpr int64_t kPairBlock = 4096;
+
+// dst[0, bytes) = the words of sum minus those of mine (bytes a multiple of 4).
+void subtract_words(const uint8_t* sum, const uint8_t* mine, int64_t bytes, uint8_t* dst) {
+  for (int64_t w = 0; w < bytes; w += 4) {
+    uint32_t a, m;
+    std::memcpy(&a, sum + w, 4);
+    std::memcpy(&m, mine + w, 4);
+    const uint32_t t = a - m;
+    std::memcpy(dst + w, &t, 4);
+  }
+}
+
+void check_dither_header(const uint8_t* h, DType d, const Params& p, int64_t r) {
+  check_tag(h, kDither, d, r);
+  if (h[4] != p.s || h[5] != p.partition || h[6] != p.normalize)
+    throw KernelError("dithering payload from rank " + std::to_string(r) + " has s=" +
+                      std::to_string(h[4]) + " partition=" + std::to_string(h[5]) +
+                      " normalize=" + std::to_string(h[6]) + ", this rank s=" +
+                      std::to_string(p.s) + " partition=" + std::to_string(p.partition) +
+                      " normalize=" + std::to_string(p.normalize));
+}
+
+// Sum over ranks of alpha * D(payload_r) from rows[r], accumulated in the gradient's
+// accumulator type. With summed (two ranks, gather_rows' int32 sum of both payloads' words),
+// rank `other`'s payload is that sum minus the other rank's: rows[other] then holds only its
+// 16-byte header, and its codes are taken off the sum where they are read.
+void dither_sum(DType d, const uint8_t* const* rows, int64_t ranks, const uint8_t* summed,
+                int64_t other, int64_t n, const Params& p, void* out, double alpha, bool acc) {
+  const int b = bits_for(p.s);
+  const int64_t cap = code_bytes(n, b);
+  for (int64_t r = 0; r < ranks; ++r) check_dither_header(rows[r], d, p, r);
+  // Decoded value of every code, per rank (its norm scales the levels), made once up front. A
+  // rank's row has all 1 << b codes a payload can hold: those above 2s, which no encoder
+  // makes, decode to NaN, so that a damaged payload shows.
+  const int64_t nc = int64_t{1} << b;
+  std::vector<float> table(static_cast<size_t>(ranks * nc), std::numeric_limits<float>::quiet_NaN());
+  for (int64_t r = 0; r < ranks; ++r) {
+    float norm;
+    std::memcpy(&norm, rows[r] + 8, 4);
+    dither_values(norm, p, table.data() + r * nc);
+  }
+  dispatch_dtype(d, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    using A = typename Acc<T>::type;
+    T* o = static_cast<T*>(out);
+    const A al = static_cast<A>(alpha);
+    int64_t done = 0;
+    if constexpr (std::is_same_v<T, float>) {
+      if (cpu_has_avx2_f16c()) {
+        // The steps whose groups' 8-byte loads stay inside the codes.
+        const int64_t whole = std::min(n, (cap - 8) / b * 8 + 8);
+        const bool stream = !acc && stream_to(o, 4 * whole);
+        std::vector<const uint8_t*> codes(static_cast<size_t>(ranks));
+        for (int64_t r = 0; r < ranks; ++r) codes[r] = rows[r] + kDitherHeader;
+        if (!summed) {
+          done = dither_sum_f32_avx2(codes.data(), ranks, whole, b, table.data(), al, acc, stream, o);
+        } else {
+          alignas(32) uint8_t theirs[kPairBlock + 8] = {};  // + a group's 8-byte load past b bytes
+          for (int64_t s0 = 0; s0 + 32 <= whole; s0 += kPairBlock) {
+            const int64_t len = std::min(kPairBlock, (whole - s0) / 32 * 32);
+            const int64_t at = kDitherHeader + s0 / 8 * b;
+            subtract_words(summed + at, rows[1 - other] + at, len / 8 * b, theirs);
+            codes[1 - other] = rows[1 - other] + at;
+            codes[other] = theirs;
+            done += dither_sum_f32_avx2(codes.data(), 2, len, b, table.data(), al, acc, stream,
+                                        o + s0);
+          }
+        }
+        if (stream) _mm_sfence();
+      }
+    }
+    // The rest from each rank's codes of group done / 8 on; the other rank's taken off the sum
+    // here (from a whole word: done / 8 * b is a multiple of 4).
+    const int64_t from = kDitherHeader + done / 8 * b, left = cap - done / 8 * b;
+    std::vector<const uint8_t*> codes(static_cast<size_t>(ranks));
+    std::vector<uint8_t> theirs;
+    for (int64_t r = 0; r < ranks; ++r) codes[r] = rows[r] + from;
+    if (summed && left > 0) {
+      theirs.resize(static_cast<size_t>(left));
+      subtract_words(summed + from, rows[1 - other] + from, left, theirs.data());
+      codes[other] = theirs.data();
+    }
+    const int64_t g0 = done / 8;
+    const uint64_t mask = (uint64_t{1} << b) - 1;
+    std::vector<A> sum(8 * 512);
+    for (int64_t s0 = done; s0 < n; s0 += static_cast<int64_t>(sum.size())) {
+      const int64_t len = std::min<int64_t>(static_cast<int64_t>(sum.size()), n - s0);
+      for (int64_t j = 0; j < len; ++j) sum[j] = acc ? to_acc(o[s0 + j]) : A(0);
+      for (int64_t r = 0; r < ranks; ++r) {
+        const float* lv = table.data() + r * nc;
+        for (int64_t g = s0 / 8; g * 8 < s0 + len; ++g) {
+          const uint64_t w = get_group(codes[r], g - g0, b, left);
+          const int64_t lim = std::min<int64_t>(8, s0 + len - g * 8);
+          for (int64_t j = 0; j < lim; ++j) {
+            const uint64_t c = (w >> (j * b)) & mask;
+            sum[g * 8 + j - s0] += al * static_cast<A>(lv[c]);
+          }
+        }
+      }
+      for (int64_t j = 0; j < len; ++j) o[s0 + j] = from_acc<T>(sum[j]);
+    }
+  });
 }
 }  // namespace
 
@@ -494,65 +600,23 @@ void dither_ef_encode(DType d, const void* x, const void* e_in, void* e, int64_t
   dither_code(d, x, e_in, n, p, payload, e, alpha);
 }
 
-// Sum over ranks of alpha * D(payload_r), accumulated in the gradient's accumulator type.
 void dither_aggregate(DType d, const void* payloads, int64_t ranks, int64_t stride, int64_t n,
                       const Params& p, void* out, double alpha, bool acc) {
-  const auto* base = static_cast<const uint8_t*>(payloads);
-  const int b = bits_for(p.s);
-  const int64_t cap = code_bytes(n, b);
-  for (int64_t r = 0; r < ranks; ++r) {
-    const uint8_t* h = base + r * stride;
-    check_tag(h, kDither, d, r);
-    if (h[4] != p.s || h[5] != p.partition || h[6] != p.normalize)
-      throw KernelError("dithering payload from rank " + std::to_string(r) + " has s=" +
-                        std::to_string(h[4]) + " partition=" + std::to_string(h[5]) +
-                        " normalize=" + std::to_string(h[6]) + ", this rank s=" +
-                        std::to_string(p.s) + " partition=" + std::to_string(p.partition) +
-                        " normalize=" + std::to_string(p.normalize));
-  }
-  // Decoded value of every code, per rank (its norm scales the levels), made once up front. A
-  // rank's row has all 1 << b codes a payload can hold: those above 2s, which no encoder
-  // makes, decode to NaN, so that a damaged payload shows.
-  const int64_t nc = int64_t{1} << b;
-  std::vector<float> table(static_cast<size_t>(ranks * nc), std::numeric_limits<float>::quiet_NaN());
-  for (int64_t r = 0; r < ranks; ++r) {
-    float norm;
-    std::memcpy(&norm, base + r * stride + 8, 4);
-    dither_values(norm, p, table.data() + r * nc);
-  }
-  dispatch_dtype(d, [&](auto* tag) {
-    using T = std::remove_pointer_t<decltype(tag)>;
-    using A = typename Acc<T>::type;
-    T* o = static_cast<T*>(out);
-    const A al = static_cast<A>(alpha);
-    int64_t done = 0;
-    if constexpr (std::is_same_v<T, float>) {
-      // The groups whose 8-byte load stays inside the codes.
-      const int64_t whole = std::min(n, (cap - 8) / b * 8 + 8);
-      if (cpu_has_avx2_f16c())
-        done = dither_aggregate_f32_avx2(base, ranks, stride, whole, b, table.data(), al, acc, o);
-    }
-    std::vector<A> sum(8 * 512);
-    for (int64_t s0 = done; s0 < n; s0 += static_cast<int64_t>(sum.size())) {
-      const int64_t len = std::min<int64_t>(static_cast<int64_t>(sum.size()), n - s0);
-      for (int64_t j = 0; j < len; ++j) sum[j] = acc ? to_acc(o[s0 + j]) : A(0);
-      for (int64_t r = 0; r < ranks; ++r) {
-        const uint8_t* h = base + r * stride;
-        const float* lv = table.data() + r * nc;
-        const uint8_t* codes = h + kDitherHeader;
-        const uint64_t mask = (uint64_t{1} << b) - 1;
-        for (int64_t g = s0 / 8; g * 8 < s0 + len; ++g) {
-          const uint64_t w = get_group(codes, g, b, cap);
-          const int64_t lim = std::min<int64_t>(8, s0 + len - g * 8);
-          for (int64_t j = 0; j < lim; ++j) {
-            const uint64_t c = (w >> (j * b)) & mask;
-            sum[g * 8 + j - s0] += al * static_cast<A>(lv[c]);
-          }
-        }
-      }
-      for (int64_t j = 0; j < len; ++j) o[s0 + j] = from_acc<T>(sum[j]);
-    }
-  });
+  std::vector<const uint8_t*> rows(static_cast<size_t>(ranks));
+  for (int64_t r = 0; r < ranks; ++r) rows[r] = static_cast<const uint8_t*>(payloads) + r * stride;
+  dither_sum(d, rows.data(), ranks, nullptr, -1, n, p, out, alpha, acc);
+}
+
+void dither_aggregate_pair(DType d, const void* own, const int32_t* summed, int64_t rank,
+                           int64_t n, const Params& p, void* out, double alpha) {
+  const auto* mine = static_cast<const uint8_t*>(own);
+  const auto* sum = reinterpret_cast<const uint8_t*>(summed);
+  uint8_t header[kDitherHeader];
+  subtract_words(sum, mine, kDitherHeader, header);
+  const uint8_t* rows[2];
+  rows[rank] = mine;
+  rows[1 - rank] = header;
+  dither_sum(d, rows, 2, sum, 1 - rank, n, p, out, alpha, false);
 }
 
 int64_t natural_payload_bytes(int64_t n) { return kNaturalHeader + (n + 7) / 8 * 8; }

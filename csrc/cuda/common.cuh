@@ -159,6 +159,10 @@ namespace quant {
 void dither_encode(DType d, const void* x, int64_t n, const Params& p, void* payload, cudaStream_t s);
 void dither_aggregate(DType d, const void* payloads, int64_t ranks, int64_t stride, int64_t n,
                       const Params& p, void* out, double alpha, bool acc, cudaStream_t s);
+// Both payloads of a pair in rank order, `bytes` (a multiple of 4) apart, from this rank's
+// and the int32 sum of both payloads' words.
+void pair_rows(const void* own, const int32_t* summed, int64_t rank, int64_t bytes, uint8_t* rows,
+               cudaStream_t s);
 void natural_encode(DType d, const void* x, int64_t n, const Params& p, void* payload, cudaStream_t s);
 void natural_aggregate(DType d, const void* payloads, int64_t ranks, int64_t stride, int64_t n,
                        void* out, double alpha, bool acc, cudaStream_t s);

@@ -239,6 +239,29 @@ void dither_aggregate(DType d, const void* payloads, int64_t ranks, int64_t stri
   check_launch("dither aggregate");
 }
 
+__global__ void pair_rows_k(const uint8_t* own, const uint32_t* summed, int64_t rank,
+                            int64_t words, uint8_t* rows) {
+  for (int64_t w = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; w < words;
+       w += int64_t(gridDim.x) * blockDim.x) {
+    uint32_t mine = 0;  // own is only known to be 2-aligned: byte by byte
+    for (int k = 0; k < 4; ++k) mine |= static_cast<uint32_t>(own[4 * w + k]) << (8 * k);
+    const uint32_t theirs = summed[w] - mine;
+    for (int k = 0; k < 4; ++k) {
+      rows[rank * 4 * words + 4 * w + k] = own[4 * w + k];
+      rows[(1 - rank) * 4 * words + 4 * w + k] = static_cast<uint8_t>(theirs >> (8 * k));
+    }
+  }
+}
+
+void pair_rows(const void* own, const int32_t* summed, int64_t rank, int64_t bytes, uint8_t* rows,
+               cudaStream_t s) {
+  if (bytes == 0) return;
+  pair_rows_k<<<blocks_for(bytes / 4), kThreads, 0, s>>>(
+      static_cast<const uint8_t*>(own), reinterpret_cast<const uint32_t*>(summed), rank,
+      bytes / 4, rows);
+  check_launch("pair rows");
+}
+
 void natural_encode(DType d, const void* x, int64_t n, const Params& p, void* payload, cudaStream_t s) {
   auto* out = static_cast<uint8_t*>(payload);
   Scratch scratch(kMaxBlocks * sizeof(Partial) + sizeof(int), s);

@@ -213,6 +213,30 @@ def test_ranks_with_other_settings_are_refused():
         _C.aggregate(cid, gathered, torch.empty(100), p, 0.5)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", LENGTHS)
+@pytest.mark.parametrize("spec", [s for s in SPECS if s != "natural"])
+def test_aggregate_pair_equals_aggregate_of_both_payloads(spec, n, dtype):
+    """Two Gloo ranks gather dithering payloads by the int32 sum of their words: each rank
+    reduces from its own payload and that sum what aggregate of both payloads in rank order
+    gives (the numpy reference), bit for bit; one rank's NaN decodes to NaN everywhere."""
+    from test_kernels import summed_words
+    codec, cid, fields, p = setup(spec, n, 0)
+    for bad in (False, True):
+        xs = [random_grad(n, dtype, seed=300 + n + r) for r in range(2)]
+        if bad and n:
+            xs[1][n // 2] = float("nan")
+        payloads = [encode(cid, x, params(seed=60 + r, **fields)) for r, x in enumerate(xs)]
+        raw = [payload_bytes(pl) for pl in payloads]
+        summed = summed_words(raw)
+        for alpha in (0.5, -0.25):
+            want = ref.aggregate(codec, raw, n, dtype, alpha)
+            for rank in range(2):
+                out = torch.full((n,), 3.0, dtype=xs[0].dtype)
+                _C.aggregate_pair(cid, payloads[rank], summed, rank, out, p, alpha)
+                assert same_bits(t2n(out), want), f"rank {rank}, alpha {alpha}, nan {bad}"
+
+
 def test_large_error_feedback_matches_reference():
     """A residual large enough for non-temporal stores, written into a second buffer and then
     in place."""
