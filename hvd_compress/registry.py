@@ -79,9 +79,9 @@ class CodecInfo:
     elementwise: each element is encoded from its own value alone (a cast), so a bucket gives
     the per-tensor result whatever its granularity.
     pair_aggregates: two ranks' payloads are reduced straight from the int32 sum of their words
-    (the kernels' aggregate_pair: fp16, bf16 and the dithering family), where two Gloo ranks
-    gather by that sum
-    (collectives.gather_rows): the other rank's payload is never written out.
+    (the kernels' aggregate_pair: fp16, bf16, natural and the dithering family), where two
+    Gloo ranks gather by that sum (collectives.gather_rows): the other rank's payload is never
+    written out.
     masks_momentum: under momentum=nesterov with error feedback, the momentum of every element
     left with a zero residual (each one sent whole, and any whose value to send was zero) is
     cleared as it is sent: DGC's momentum factor masking (Lin et al. 2018). Top-k sends an
@@ -354,7 +354,7 @@ register(CodecInfo(
     wire="[u32 tag][i32 top exponent][u8 sign << 7 | exponent code per element]",
     doc="natural compression (Horvath et al. 2019): stochastic rounding to a power of two, "
         "unbiased; sign and 7-bit exponent in one byte",
-    bits_per_element=lambda isz: 8.0, uses_seed=True, seed_per_rank=True))
+    bits_per_element=lambda isz: 8.0, uses_seed=True, seed_per_rank=True, pair_aggregates=True))
 
 
 register(CodecInfo(

@@ -139,6 +139,8 @@ int64_t natural_payload_bytes(int64_t n);
 void natural_encode(DType d, const void* x, int64_t n, const Params& p, void* payload);
 void natural_aggregate(DType d, const void* payloads, int64_t ranks, int64_t stride, int64_t n,
                        void* out, double alpha, bool acc);
+void natural_aggregate_pair(DType d, const void* own, const int32_t* summed, int64_t rank,
+                            int64_t n, void* out, double alpha);
 }  // namespace quant
 namespace homo {
 // Arguments checked by dispatch.cc; w = homo_bits(levels, lane_ranks) <= 32.

@@ -325,23 +325,23 @@ int32_t natural_encode_f32(const float* x, int64_t n, uint64_t seed, uint8_t* co
 }
 
 // out (+)= sum over ranks of alpha * lv_r[code], rank 0 first, per element as the scalar loop
-// does; lv is each rank's 256-entry decode table.
-__attribute__((target("avx2"))) void natural_aggregate_f32_avx2(const uint8_t* base, int64_t ranks,
-                                                                int64_t stride, int64_t n,
-                                                                const float* lv, float al, bool acc,
-                                                                float* out) {
-  const bool stream = !acc && stream_to(out, 4 * n);
+// does; codes[r] is rank r's first code, lv each rank's 256-entry decode table. Covers whole
+// steps up to n; returns how far it got.
+__attribute__((target("avx2"))) int64_t natural_sum_f32_avx2(const uint8_t* const* codes,
+                                                            int64_t ranks, int64_t n,
+                                                            const float* lv, float al, bool acc,
+                                                            bool stream, float* out) {
   const __m256 va = _mm256_set1_ps(al);
   int64_t i = 0;
   for (; i + 32 <= n; i += 32) {
     __m256 s[4];
     for (int u = 0; u < 4; ++u) s[u] = acc ? _mm256_loadu_ps(out + i + 8 * u) : _mm256_setzero_ps();
     for (int64_t r = 0; r < ranks; ++r) {
-      const uint8_t* codes = base + r * stride + kNaturalHeader + i;
-      prefetch_ahead(codes);
+      const uint8_t* step = codes[r] + i;
+      prefetch_ahead(step);
       for (int u = 0; u < 4; ++u) {
         const __m256i c =
-            _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 8 * u)));
+            _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(step + 8 * u)));
         s[u] = _mm256_add_ps(s[u], _mm256_mul_ps(va, _mm256_i32gather_ps(lv + 256 * r, c, 4)));
       }
     }
@@ -350,13 +350,7 @@ __attribute__((target("avx2"))) void natural_aggregate_f32_avx2(const uint8_t* b
       else _mm256_storeu_ps(out + i + 8 * u, s[u]);
     }
   }
-  if (stream) _mm_sfence();
-  for (; i < n; ++i) {
-    float s = acc ? out[i] : 0.0f;
-    for (int64_t r = 0; r < ranks; ++r)
-      s += al * lv[256 * r + base[r * stride + kNaturalHeader + i]];
-    out[i] = s;
-  }
+  return i;
 }
 
 }  // namespace
@@ -660,10 +654,13 @@ void natural_encode(DType d, const void* x, int64_t n, const Params& p, void* pa
   });
 }
 
-void natural_aggregate(DType d, const void* payloads, int64_t ranks, int64_t stride, int64_t n,
-                       void* out, double alpha, bool acc) {
-  const auto* base = static_cast<const uint8_t*>(payloads);
-  for (int64_t r = 0; r < ranks; ++r) check_tag(base + r * stride, kNatural, d, r);
+namespace {
+// Sum over ranks of alpha * D(payload_r) from rows[r], in the accumulator type; with summed, as
+// dither_sum: rank `other`'s payload is the word sum minus the other rank's (rows[other] its
+// 8-byte header only).
+void natural_sum(DType d, const uint8_t* const* rows, int64_t ranks, const uint8_t* summed,
+                 int64_t other, int64_t n, void* out, double alpha, bool acc) {
+  for (int64_t r = 0; r < ranks; ++r) check_tag(rows[r], kNatural, d, r);
   dispatch_dtype(d, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     using A = typename Acc<T>::type;
@@ -673,7 +670,7 @@ void natural_aggregate(DType d, const void* payloads, int64_t ranks, int64_t str
     std::vector<A> lv(static_cast<size_t>(256 * ranks));
     for (int64_t r = 0; r < ranks; ++r) {
       int32_t top;
-      std::memcpy(&top, base + r * stride + 4, 4);
+      std::memcpy(&top, rows[r] + 4, 4);
       for (int c = 0; c < 256; ++c) {
         const int mag = c & 0x7f;
         A m = top == std::numeric_limits<int32_t>::min()
@@ -682,18 +679,65 @@ void natural_aggregate(DType d, const void* payloads, int64_t ranks, int64_t str
         lv[256 * r + c] = c & 0x80 ? -m : m;
       }
     }
+    std::vector<const uint8_t*> codes(static_cast<size_t>(ranks));
+    for (int64_t r = 0; r < ranks; ++r) codes[r] = rows[r] + kNaturalHeader;
+    int64_t done = 0;
     if constexpr (std::is_same_v<T, float>) {
-      if (cpu_has_avx2_f16c())
-        return natural_aggregate_f32_avx2(base, ranks, stride, n, lv.data(), al, acc, o);
+      if (cpu_has_avx2_f16c()) {
+        const bool stream = !acc && stream_to(o, 4 * n);
+        if (!summed) {
+          done = natural_sum_f32_avx2(codes.data(), ranks, n, lv.data(), al, acc, stream, o);
+        } else {  // a block of the other rank's codes at a time, as in dither_sum
+          alignas(32) uint8_t theirs[kPairBlock];
+          const uint8_t* block[2];
+          for (int64_t s0 = 0; s0 + 32 <= n; s0 += kPairBlock) {
+            const int64_t len = std::min(kPairBlock, (n - s0) / 32 * 32);
+            const int64_t at = kNaturalHeader + s0;
+            subtract_words(summed + at, rows[1 - other] + at, len, theirs);
+            block[1 - other] = rows[1 - other] + at;
+            block[other] = theirs;
+            done += natural_sum_f32_avx2(block, 2, len, lv.data(), al, acc, stream, o + s0);
+          }
+        }
+        if (stream) _mm_sfence();
+      }
     }
-    std::vector<A> sum(static_cast<size_t>(n));
-    for (int64_t j = 0; j < n; ++j) sum[j] = acc ? to_acc(o[j]) : A(0);
-    for (int64_t r = 0; r < ranks; ++r) {
-      const uint8_t* codes = base + r * stride + kNaturalHeader;
-      for (int64_t j = 0; j < n; ++j) sum[j] += al * lv[256 * r + codes[j]];
+    // The rest, the other rank's codes taken off the sum from a whole word (done is a multiple
+    // of 32, the codes padded to 8 bytes).
+    std::vector<uint8_t> theirs;
+    for (int64_t r = 0; r < ranks; ++r) codes[r] += done;
+    if (summed && done < n) {
+      theirs.resize(static_cast<size_t>((n - done + 3) / 4 * 4));
+      subtract_words(summed + kNaturalHeader + done, codes[1 - other],
+                     static_cast<int64_t>(theirs.size()), theirs.data());
+      codes[other] = theirs.data();
     }
-    for (int64_t j = 0; j < n; ++j) o[j] = from_acc<T>(sum[j]);
+    for (int64_t j = done; j < n; ++j) {
+      A sum = acc ? to_acc(o[j]) : A(0);
+      for (int64_t r = 0; r < ranks; ++r) sum += al * lv[256 * r + codes[r][j - done]];
+      o[j] = from_acc<T>(sum);
+    }
   });
+}
+}  // namespace
+
+void natural_aggregate(DType d, const void* payloads, int64_t ranks, int64_t stride, int64_t n,
+                       void* out, double alpha, bool acc) {
+  std::vector<const uint8_t*> rows(static_cast<size_t>(ranks));
+  for (int64_t r = 0; r < ranks; ++r) rows[r] = static_cast<const uint8_t*>(payloads) + r * stride;
+  natural_sum(d, rows.data(), ranks, nullptr, -1, n, out, alpha, acc);
+}
+
+void natural_aggregate_pair(DType d, const void* own, const int32_t* summed, int64_t rank,
+                            int64_t n, void* out, double alpha) {
+  const auto* mine = static_cast<const uint8_t*>(own);
+  const auto* sum = reinterpret_cast<const uint8_t*>(summed);
+  uint8_t header[kNaturalHeader];
+  subtract_words(sum, mine, kNaturalHeader, header);
+  const uint8_t* rows[2];
+  rows[rank] = mine;
+  rows[1 - rank] = header;
+  natural_sum(d, rows, 2, sum, 1 - rank, n, out, alpha, false);
 }
 
 }  // namespace quant

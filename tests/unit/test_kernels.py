@@ -148,7 +148,7 @@ def test_aggregate_pair_refuses_what_it_cannot_reduce():
     summed = torch.zeros(5, dtype=torch.int32)
     out = torch.empty(10)
     sign = encode("onebit", x, p)
-    with pytest.raises(ValueError, match="takes fp16, bf16 or dithering payloads, not onebit"):
+    with pytest.raises(ValueError, match="takes fp16, bf16, dithering or natural payloads, not onebit"):
         _C.aggregate_pair(ID["onebit"], sign, torch.zeros(-(-sign.numel() // 4), dtype=torch.int32),
                           0, out, p, 1.0)
     with pytest.raises(ValueError, match="rank must be 0 or 1, got 2"):

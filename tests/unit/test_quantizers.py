@@ -215,9 +215,9 @@ def test_ranks_with_other_settings_are_refused():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", LENGTHS)
-@pytest.mark.parametrize("spec", [s for s in SPECS if s != "natural"])
+@pytest.mark.parametrize("spec", SPECS)
 def test_aggregate_pair_equals_aggregate_of_both_payloads(spec, n, dtype):
-    """Two Gloo ranks gather dithering payloads by the int32 sum of their words: each rank
+    """Two Gloo ranks gather these payloads by the int32 sum of their words: each rank
     reduces from its own payload and that sum what aggregate of both payloads in rank order
     gives (the numpy reference), bit for bit; one rank's NaN decodes to NaN everywhere."""
     from test_kernels import summed_words
