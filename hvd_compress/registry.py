@@ -79,9 +79,9 @@ class CodecInfo:
     elementwise: each element is encoded from its own value alone (a cast), so a bucket gives
     the per-tensor result whatever its granularity.
     pair_aggregates: two ranks' payloads are reduced straight from the int32 sum of their words
-    (the kernels' aggregate_pair: fp16, bf16, natural and the dithering family), where two
-    Gloo ranks gather by that sum (collectives.gather_rows): the other rank's payload is never
-    written out.
+    (the kernels' aggregate_pair: fp16, bf16, minmax8, natural and the dithering family),
+    where two Gloo ranks gather by that sum (collectives.gather_rows): the other rank's payload
+    is never written out whole.
     masks_momentum: under momentum=nesterov with error feedback, the momentum of every element
     left with a zero residual (each one sent whole, and any whose value to send was zero) is
     cleared as it is sent: DGC's momentum factor masking (Lin et al. 2018). Top-k sends an
@@ -317,7 +317,7 @@ register(CodecInfo(
     doc="8-bit min-max quantisation (Bagua ByteGrad): per chunk, 256 evenly spaced levels "
         "between its min and max, rounded to nearest",
     bits_per_element=lambda isz: 8.0 + 64.0 / 4096,  # + a min/max pair per default chunk
-    strategies=_QUANTISER_STRATEGIES, homomorphic_levels=lambda f: 255))
+    strategies=_QUANTISER_STRATEGIES, homomorphic_levels=lambda f: 255, pair_aggregates=True))
 
 _DITHER_WIRE = ("[u32 tag][u8 s, partition, normalize, 0][f32 norm][u32 0][codes s+-level, "
                 "bit width of 2s each, 8 codes per that many bytes]")

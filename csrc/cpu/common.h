@@ -35,6 +35,23 @@ inline bool stream_to(const void* y, int64_t bytes) {
   return bytes >= kStreamingBytes && (reinterpret_cast<uintptr_t>(y) & 31) == 0;
 }
 
+// aggregate_pair of the quantisers reduces a block of this many codes at a time: the other
+// rank's are taken off the word sum into a buffer (at most 4 KiB) first, then read like a
+// gathered payload's. Reading each SIMD step's straight after computing it stalls on store
+// forwarding instead.
+constexpr int64_t kPairBlock = 4096;
+
+// dst[0, bytes) = the int32 words of sum minus those of mine (bytes a multiple of 4).
+inline void subtract_words(const uint8_t* sum, const uint8_t* mine, int64_t bytes, uint8_t* dst) {
+  for (int64_t w = 0; w < bytes; w += 4) {
+    uint32_t a, m;
+    std::memcpy(&a, sum + w, 4);
+    std::memcpy(&m, mine + w, 4);
+    const uint32_t t = a - m;
+    std::memcpy(dst + w, &t, 4);
+  }
+}
+
 // AVX2 draws of uniform(), shared by the stochastic quantisers (quant.cc, homomorphic.cc).
 // Keys of hash indices h..h+7 (see uniform() in hvdc/element.h); walking the gradient,
 // callers advance them by 8 * 0x9e3779b1 rather than multiply again.
@@ -122,6 +139,8 @@ void decode(DType d, const void* payload, int64_t n, const Params& p, void* out,
             bool acc);
 void aggregate(DType d, const void* payloads, int64_t ranks, int64_t stride, int64_t n,
                const Params& p, void* out, double alpha, bool acc);
+void aggregate_pair(DType d, const void* own, const int32_t* summed, int64_t rank, int64_t n,
+                    const Params& p, void* out, double alpha);
 }  // namespace minmax8
 namespace quant {
 int64_t dither_payload_bytes(int64_t n, int64_t s);

@@ -101,7 +101,7 @@ void check_homo(int64_t n, int64_t block, int64_t levels, int64_t lane_ranks, in
 void check_pair(CodecId c, DType d, int64_t rank, int64_t n, const Params& p) {
   check_common(c, d, n, p);
   if (!pair_aggregates(c))
-    throw KernelError(std::string("aggregate_pair takes fp16, bf16, dithering or natural payloads, not ") +
+    throw KernelError(std::string("aggregate_pair takes fp16, bf16, minmax8, dithering or natural payloads, not ") +
                       codec_name(c));
   if (rank != 0 && rank != 1)
     throw KernelError("aggregate_pair is for two ranks: rank must be 0 or 1, got " +
@@ -243,7 +243,7 @@ void aggregate(CodecId c, DType d, const void* payloads, int64_t ranks, int64_t 
 }
 
 bool pair_aggregates(CodecId c) {
-  return c == kFP16 || c == kBF16Codec || c == kDither || c == kNatural;
+  return c == kFP16 || c == kBF16Codec || c == kMinMax8 || c == kDither || c == kNatural;
 }
 
 void aggregate_pair(CodecId c, DType d, const void* own, const int32_t* summed, int64_t rank,
@@ -251,6 +251,7 @@ void aggregate_pair(CodecId c, DType d, const void* own, const int32_t* summed, 
   check_pair(c, d, rank, n, p);
   if (c == kDither) return quant::dither_aggregate_pair(d, own, summed, rank, n, p, out, alpha);
   if (c == kNatural) return quant::natural_aggregate_pair(d, own, summed, rank, n, out, alpha);
+  if (c == kMinMax8) return minmax8::aggregate_pair(d, own, summed, rank, n, p, out, alpha);
   cast::aggregate_pair(c, d, own, summed, rank, n, out, alpha);
 }
 

@@ -256,5 +256,52 @@ void aggregate(DType d, const void* payloads, int64_t ranks, int64_t stride, int
   });
 }
 
+void aggregate_pair(DType d, const void* own, const int32_t* summed, int64_t rank, int64_t n,
+                    const Params& p, void* out, double alpha) {
+  const int64_t c = p.chunk, bytes = payload_bytes(n, c);
+  const auto* mine = static_cast<const uint8_t*>(own);
+  const auto* sum = reinterpret_cast<const uint8_t*>(summed);
+  if (c % 4 != 0) {  // a chunk's codes do not start on a word: the other payload written out
+    std::vector<uint8_t> rows(static_cast<size_t>(2 * bytes));
+    std::memcpy(rows.data() + rank * bytes, mine, static_cast<size_t>(bytes));
+    subtract_words(sum, mine, bytes, rows.data() + (1 - rank) * bytes);
+    return aggregate(d, rows.data(), 2, bytes, n, p, out, alpha, false);
+  }
+  // The other rank's header and bounds (words), then its codes a block at a time.
+  const int64_t head = kHeader + 8 * chunks(n, c);
+  std::vector<uint8_t> theirs_head(static_cast<size_t>(head));
+  subtract_words(sum, mine, head, theirs_head.data());
+  Layout rank_layout[2];
+  rank_layout[rank] = layout(const_cast<uint8_t*>(mine), n, c);
+  rank_layout[1 - rank] = layout(theirs_head.data(), n, c);
+  for (int64_t r = 0; r < 2; ++r) {
+    check_tag(rank_layout[r].head, kMinMax8, d, r);
+    check_chunk(rank_layout[r].head, c, r);
+  }
+  const int64_t at = head;  // where the codes start, in both payloads and the sum
+  alignas(32) uint8_t theirs[kPairBlock];
+  dispatch_dtype(d, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    T* o = static_cast<T*>(out);
+    const bool stream = c % 8 == 0 && stream_to(out, static_cast<int64_t>(sizeof(T)) * n);
+    Grid g[2];
+    const uint8_t* codes[2];
+    for (int64_t k = 0; k * c < n; ++k) {
+      const int64_t s = k * c, len = std::min(c, n - s);
+      for (int64_t r = 0; r < 2; ++r)
+        g[r] = grid(rank_layout[r].bounds[2 * k], rank_layout[r].bounds[2 * k + 1]);
+      for (int64_t b0 = 0; b0 < len; b0 += kPairBlock) {
+        const int64_t m = std::min(kPairBlock, len - b0);
+        // whole words: the codes are padded to 8 bytes past n
+        subtract_words(sum + at + s + b0, mine + at + s + b0, (m + 3) / 4 * 4, theirs);
+        codes[rank] = mine + at + s + b0;
+        codes[1 - rank] = theirs;
+        add_chunk(codes, g, 2, m, alpha, false, stream, o + s + b0);
+      }
+    }
+    if (stream) _mm_sfence();
+  });
+}
+
 }  // namespace minmax8
 }  // namespace hvdc

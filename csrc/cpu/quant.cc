@@ -476,22 +476,6 @@ __attribute__((target("avx2"))) int64_t dither_sum_f32_avx2(const uint8_t* const
   return i;
 }
 
-// Elements per block of a pair's SIMD reduction: the other rank's codes of a block are taken
-// off the word sum into a buffer (at most 4 KiB) first, then read like a gathered payload's.
-// Reading each step's straight after computing it stalls on store forwarding instead.
-constexpr int64_t kPairBlock = 4096;
-
-// dst[0, bytes) = the words of sum minus those of mine (bytes a multiple of 4).
-void subtract_words(const uint8_t* sum, const uint8_t* mine, int64_t bytes, uint8_t* dst) {
-  for (int64_t w = 0; w < bytes; w += 4) {
-    uint32_t a, m;
-    std::memcpy(&a, sum + w, 4);
-    std::memcpy(&m, mine + w, 4);
-    const uint32_t t = a - m;
-    std::memcpy(dst + w, &t, 4);
-  }
-}
-
 void check_dither_header(const uint8_t* h, DType d, const Params& p, int64_t r) {
   check_tag(h, kDither, d, r);
   if (h[4] != p.s || h[5] != p.partition || h[6] != p.normalize)

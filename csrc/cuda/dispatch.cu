@@ -185,7 +185,7 @@ void aggregate_pair(CodecId c, DType d, const void* own, const int32_t* summed, 
   if (reinterpret_cast<uintptr_t>(own) % 2 != 0 || reinterpret_cast<uintptr_t>(summed) % 4 != 0)
     throw KernelError("aggregate_pair needs the payload at an even address and the summed words "
                       "at a multiple of 4");
-  if (c == kDither || c == kNatural) {  // both payloads written out in rank order, then aggregated
+  if (c == kMinMax8 || c == kDither || c == kNatural) {  // both payloads written out in rank order, then aggregated
     const int64_t bytes = payload_bytes(c, d, n, p);
     Scratch rows(2 * bytes, as_stream(stream));
     quant::pair_rows(own, summed, rank, bytes, rows.as<uint8_t>(), as_stream(stream));

@@ -119,6 +119,29 @@ def summed_words(payloads: list[bytes]) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", LENGTHS)
+@pytest.mark.parametrize("chunk", [CHUNK, 4096, 5000, 30])
+def test_minmax8_aggregate_pair_equals_aggregate_of_both_payloads(chunk, n, dtype):
+    """minmax8 from its own payload and the words' sum, as fp16 below: chunks whose codes
+    start on a word (taken off the sum a block of at most 4096 at a time: 5000 is two) and
+    chunks of 30 (they do not: the other payload is written out), a NaN chunk in one rank's
+    payload."""
+    p = params(chunk=chunk)
+    xs = [random_grad(n, dtype, seed=400 + n + r) for r in range(2)]
+    if n > 8:
+        xs[1][3] = float("nan")
+    payloads = [encode("minmax8", x, p) for x in xs]
+    raw = [payload_bytes(pl) for pl in payloads]
+    summed = summed_words(raw)
+    for alpha in (0.5, -0.25):
+        want = ref.aggregate("minmax8", raw, n, dtype, alpha)
+        for rank in range(2):
+            out = torch.full((n,), 3.0, dtype=xs[0].dtype)
+            _C.aggregate_pair(ID["minmax8"], payloads[rank], summed, rank, out, p, alpha)
+            assert same_bits(t2n(out), want), f"rank {rank}, alpha {alpha}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", LENGTHS)
 @pytest.mark.parametrize("codec", ["fp16", "bf16"])
 def test_aggregate_pair_equals_aggregate_of_both_payloads(codec, n, dtype):
     """Two ranks that gather by a sum (collectives.gather_rows) reduce from their own payload
@@ -148,7 +171,7 @@ def test_aggregate_pair_refuses_what_it_cannot_reduce():
     summed = torch.zeros(5, dtype=torch.int32)
     out = torch.empty(10)
     sign = encode("onebit", x, p)
-    with pytest.raises(ValueError, match="takes fp16, bf16, dithering or natural payloads, not onebit"):
+    with pytest.raises(ValueError, match="takes fp16, bf16, minmax8, dithering or natural payloads, not onebit"):
         _C.aggregate_pair(ID["onebit"], sign, torch.zeros(-(-sign.numel() // 4), dtype=torch.int32),
                           0, out, p, 1.0)
     with pytest.raises(ValueError, match="rank must be 0 or 1, got 2"):

@@ -71,7 +71,7 @@ void powersgd_reconstruct(DType dtype, const void* p, const void* qt, int64_t ba
 // The argument checks of the CPU entry points (hvdc/kernels.h), for the CUDA ones
 // (csrc/cpu/dispatch.cc).
 void check_args(CodecId codec, DType dtype, int64_t n, const Params& p);
-// The checks of the CPU aggregate_pair (codec fp16, bf16, dithering or natural, rank 0 or 1).
+// The checks of the CPU aggregate_pair (codec fp16, bf16, minmax8, dithering or natural, rank 0 or 1).
 void check_pair_args(CodecId codec, DType dtype, int64_t rank, int64_t n, const Params& p);
 // The checks the CPU kernels make on a received payload's first 16 bytes (tag, and k, chunk or
 // levels where the codec records them), with the same messages.

@@ -80,7 +80,7 @@ int64_t encoded_bytes(CodecId codec, DType dtype, const void* payload, int64_t n
 void aggregate(CodecId codec, DType dtype, const void* payloads, int64_t ranks, int64_t stride,
                int64_t n, const Params& p, void* out, double alpha);
 
-// Two ranks' fp16, bf16, dithering or natural payloads reduced from the int32 sum (wrapping) of their words, as
+// Two ranks' fp16, bf16, minmax8, dithering or natural payloads reduced from the int32 sum (wrapping) of their words, as
 // two-rank Gloo jobs gather them (hvd_compress.collectives.gather_rows): `own` is this rank's
 // payload, `summed` the sum of both payloads' bytes as little-endian int32 words (the last one
 // zero-padded), `rank` 0 or 1. The other payload is summed - own, word by word, decoded in the
