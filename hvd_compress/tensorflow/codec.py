@@ -28,10 +28,13 @@ def state_variable(initial, dtype=None, name=None) -> tf.Variable:
     """A variable of the compression state, made outside any trace from `initial` (a value, or
     a function making the value there). In a TF1 graph it is also made known to Keras, whose
     session initialises only the variables it tracks (a user's own session initialises it with
-    the global variables)."""
+    the global variables).
+
+    Not lifted: a tf.function whose first trace lifts a variable traces the function a second
+    time, and this one is already made eagerly, with its value, so one trace is enough."""
     with tf.init_scope():
         v = tf.Variable(initial() if callable(initial) else initial, dtype=dtype,
-                        trainable=False, name=name)
+                        trainable=False, name=name, experimental_enable_variable_lifting=False)
         tf.keras.__internal__.backend.track_variable(v)
     return v
 

@@ -135,6 +135,39 @@ def test_spec_momentum_goes_on_while_compression_is_off(spec, graph):
     assert same_bits(slots["ef"].reshape(-1), np.asarray(sim.e[RANK]).reshape(-1))
 
 
+@pytest.mark.parametrize("spec", ["onebit,ef=vanilla", "topk,k=0.1,ef=vanilla,momentum=nesterov",
+                                  "dgc,k=0.05,warmup_steps=2", "powersgd,rank=2,start_iter=1",
+                                  "minmax8,ef=vanilla,collective=allreduce"])
+def test_a_tf_function_making_compression_state_traces_once(spec):
+    """The state's variables are made eagerly during the first trace and are not lifted, so
+    tf.function does not trace the step a second time (the second trace cost as much as the
+    first), and the traced steps still carry the state as eager steps do."""
+    def reducer_and_var():  # the same variable name, so that both states have the same keys
+        var = tf.Variable(tf.zeros([40, 30]), name=f"once_{spec.split(',')[0]}")
+        return hvdt.Reducer(hc.parse_spec(spec), 0, hvd.Average, hvd.global_process_set), var
+
+    traced, var = reducer_and_var()
+    eager, eager_var = reducer_and_var()
+    traces = []
+
+    @tf.function
+    def step(g):
+        traces.append(spec)
+        return traced.reduce([g], [var])[0]
+
+    for i in range(3):
+        g = grads_for_step(1200, "float32", i, WORLD)[RANK].reshape(40, 30)
+        got = step(tf.constant(g)).numpy()
+        assert same_bits(got, eager.reduce([tf.constant(g)], [eager_var])[0].numpy()), i
+    assert len(traces) == 1
+    got, want = traced.state_dict(), eager.state_dict()
+    assert got["steps"] == want["steps"] and got["slots"].keys() == want["slots"].keys()
+    for name, kinds in want["slots"].items():
+        assert got["slots"][name].keys() == kinds.keys() and kinds
+        for kind, arr in kinds.items():
+            assert same_bits(got["slots"][name][kind], arr), (name, kind)
+
+
 SPARSE_SPECS = ["threshold,threshold=1.0", "threshold,threshold=0.5,ef=vanilla", "dgc,k=0.01",
                 "dgc,k=0.05,momentum_factor=0.5,clip_norm=20"]
 
