@@ -2,6 +2,7 @@
 // CPU tensors, csrc/cuda for CUDA tensors (when built with CUDA), on the current stream.
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 
@@ -477,6 +478,34 @@ at::Tensor homo_block_absmax(const at::Tensor& x, int64_t block) {
   return out;
 }
 
+// Whether every element of every tensor is finite: one call for a step's reduced gradients.
+// CUDA tensors share one flag per device, read once at the end.
+bool all_finite(const std::vector<at::Tensor>& tensors) {
+  std::vector<at::Tensor> flags;
+  for (const auto& t : tensors) {
+    const Where w = where_of(t, "gradient");
+    const auto d = dtype_of(t, "gradient");
+    auto tc = t.contiguous();
+#ifdef HVDC_WITH_CUDA
+    if (w.cuda) {
+      HVDC_GUARD(w);
+      auto it = std::find_if(flags.begin(), flags.end(),
+                             [&](const at::Tensor& f) { return f.device() == w.device; });
+      if (it == flags.end())
+        it = flags.insert(flags.end(), at::zeros({1}, tc.options().dtype(at::kInt)));
+      hvdc::gpu::flag_nonfinite(d, tc.data_ptr(), tc.numel(),
+                                reinterpret_cast<unsigned*>(it->data_ptr<int32_t>()), w.stream);
+      continue;
+    }
+#endif
+    (void)w;
+    if (!hvdc::all_finite(d, tc.data_ptr(), tc.numel())) return false;
+  }
+  for (const auto& f : flags)
+    if (f.item<int32_t>() != 0) return false;
+  return true;
+}
+
 // Words in a new tensor, or in `into` (reused across steps, a large payload skips the page
 // faults of fresh memory).
 void check_words(const at::Tensor& words, const Where& w, int64_t n, int64_t levels,
@@ -606,6 +635,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("homo_lane_bits", &hvdc::homo_lane_bits, py::arg("levels"), py::arg("lane_ranks"));
   m.def("homo_words", &hvdc::homo_words, py::arg("n"), py::arg("levels"), py::arg("lane_ranks"));
   m.def("homo_blocks", &hvdc::homo_blocks, py::arg("n"), py::arg("block"));
+  // not counted as codec time: it is the step's check of its result, not compression
+  m.def("all_finite", &all_finite, py::call_guard<py::gil_scoped_release>(), py::arg("tensors"));
   m.def("homo_block_absmax", &homo_block_absmax, G(), py::arg("x"), py::arg("block"));
   m.def("homo_encode", &homo_encode, G(), py::arg("x"), py::arg("scales"), py::arg("block"),
         py::arg("levels"), py::arg("lane_ranks"), py::arg("seed"), py::arg("words") = py::none());

@@ -56,9 +56,12 @@ class Encoded:
 
 
 def all_finite(t: torch.Tensor) -> torch.Tensor:
-    """Whether every element is finite, as a 0-d bool tensor on t's device. By min and max (NaN
-    propagates to both; an inf is one of them): one pass without a mask of t's size, 15x
-    faster than isfinite(t).all() on one CPU thread."""
+    """Whether every element is finite, as a 0-d bool tensor on t's device, without waiting for
+    the device: on the CPU by the exponent bits (_C.all_finite: one read, 2.4x faster than
+    torch.aminmax on one thread), on a GPU by min and max (NaN propagates to both; an inf is
+    one of them), one reduction without a mask of t's size."""
+    if t.device.type == "cpu":
+        return torch.tensor(_C.all_finite([t]))
     if t.numel() == 0:
         return torch.ones((), dtype=torch.bool, device=t.device)
     low, high = torch.aminmax(t)

@@ -39,7 +39,7 @@ from ..spec import CompressionConfig, momentum_advice, sparse_momentum_error, sp
 from ..state import StateStore
 from ..stats import CompressionStats
 from . import _C
-from .codec import DTYPE_NAMES, TorchAdapter, TorchCodec, all_finite
+from .codec import DTYPE_NAMES, TorchAdapter, TorchCodec
 from .powersgd import PowerSGDReduction
 from . import elastic
 from ..compressor import CompressorBase
@@ -364,8 +364,7 @@ class _CompressedReduction:
                     for g in (p.grad for p in self._requires_update
                               if p not in self._hvdc_pieces or not self._hvdc_flights)
                     if g is not None]
-        flags = [all_finite(t) for t in reduced]
-        return not flags or bool(torch.stack(flags).all())
+        return _C.all_finite(reduced)
 
     def _hvdc_abandon(self) -> None:
         self._hvdc_synced = False

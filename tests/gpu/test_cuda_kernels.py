@@ -326,3 +326,18 @@ def test_homomorphic_equals_cpu(levels, lane_ranks, block, n, dtype):
         _C.homo_decode(w_c, s_c, out_c, block, levels, lane_ranks, summands, alpha, acc)
         _C.homo_decode(w_g, s_g, out_g, block, levels, lane_ranks, summands, alpha, acc)
         assert_same(out_g, out_c, f"homomorphic decode summands={summands} accumulate={acc}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES + ["float64"])
+@pytest.mark.parametrize("n", SIZES)
+def test_all_finite_equals_cpu(n, dtype):
+    """One flag per device for any number of tensors: a non-finite element in any of them, at
+    its first, middle or last place, is seen; CPU and CUDA tensors may be mixed in one call."""
+    x = random_grad(n, dtype, seed=n)
+    assert _C.all_finite([x.to(DEV), x.to(DEV)]) is True is _C.all_finite([x])
+    for place in sorted({0, n // 2, n - 1}) if n else []:
+        for value in [float("nan"), float("inf"), float("-inf")]:
+            y = x.clone()
+            y[place] = value
+            assert _C.all_finite([x.to(DEV), y.to(DEV)]) is False is _C.all_finite([y])
+            assert _C.all_finite([x, y.to(DEV)]) is False

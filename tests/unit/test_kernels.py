@@ -589,3 +589,61 @@ def test_powersgd_kernel_simulation_agrees_with_the_float64_one(spec):
         got, want = exact(grads), f64(grads)
         assert got.dtype == np.float32
         np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3 * np.abs(want).max())
+
+
+def numpy_all_finite(t: torch.Tensor) -> bool:
+    a = t2n(t)
+    if t.dtype == torch.bfloat16:  # bfloat16 is the high half of a float32
+        a = (a.astype(np.uint32) << 16).view(np.float32)
+    return bool(np.isfinite(a).all())
+
+
+FINITE_LENGTHS = [0, 1, 15, 16, 63, 64, 65, 127, 128, 129, 4097, 20011, 40000]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", FINITE_LENGTHS)
+def test_all_finite_matches_numpy(n, dtype):
+    """Finite extremes (the largest value, a subnormal, -0) pass; one NaN (either sign, any
+    payload) or inf anywhere fails: in the first and last 128-byte step, in the tail after the
+    SIMD steps, in a later 16 KiB window than the first."""
+    torch_dtype = random_grad(0, dtype).dtype
+    info = torch.finfo(torch_dtype)
+    x = random_grad(n, dtype, seed=n + 1)
+    for i, v in zip([0, n // 3, n - 1], [info.max, info.smallest_normal / 4, -0.0]):
+        if n:
+            x[i] = v
+    assert _C.all_finite([x]) is True and numpy_all_finite(x) is True
+    width = x.element_size()
+    steps = n * width // 128 * 128 // width  # elements the 128-byte SIMD steps cover
+    places = sorted({p for p in [0, 1, steps - 1, steps, n // 2, n - 1, 16384 // width + 3]
+                     if 0 <= p < n})
+    bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[width]
+    # all exponent bits and the lowest mantissa bit: a NaN whose payload is not the default
+    payload_nan = {"float16": 0x7C01, "bfloat16": 0x7F81, "float32": 0x7F800001,
+                   "float64": 0x7FF0000000000001}[dtype]
+    negative_nan = -x.new_tensor(float("nan"))
+    for place in places:
+        for value in [float("nan"), float("inf"), float("-inf"), "-nan", "payload"]:
+            y = x.clone()
+            if value == "-nan":
+                y[place] = negative_nan
+            elif value == "payload":
+                y.view(bits)[place] = payload_nan
+            else:
+                y[place] = value
+            assert numpy_all_finite(y) is False, (place, value)
+            assert _C.all_finite([y]) is False, (place, value)
+            assert _C.all_finite([x, y, x]) is False, (place, value)
+
+
+def test_all_finite_reads_only_the_elements_of_each_tensor():
+    """A strided view counts its own elements only; an empty list is finite; a tensor on a
+    device without kernels is refused by name."""
+    base = torch.zeros(2000)
+    base[1::2] = float("nan")
+    assert _C.all_finite([base[0::2]]) is True
+    assert _C.all_finite([base[0::2], base[1::2]]) is False
+    assert _C.all_finite([]) is True
+    with pytest.raises(ValueError, match="gradient is on meta"):
+        _C.all_finite([torch.zeros(3), torch.empty(3, device="meta")])

@@ -44,6 +44,10 @@ void encode_with_state(CodecId codec, DType dtype, const void* x, void* const* s
                        int64_t nstate, int64_t n, const Params& p, void* payload, void* stream);
 void nesterov(DType dtype, void* x, void* m, int64_t n, double mu, void* stream);
 
+// Sets *flag (device memory, unsigned) to nonzero when one of the n elements on the device is
+// inf or NaN (hvdc/kernels.h's all_finite); leaves it alone otherwise. Does not wait.
+void flag_nonfinite(DType dtype, const void* x, int64_t n, unsigned* flag, void* stream);
+
 // Homomorphic quantisation (hvdc/kernels.h), on device pointers: x, scales, words and out
 // all live on the GPU; homo_lane_bits / homo_words / homo_blocks are the CPU library's.
 void homo_block_absmax(DType dtype, const void* x, int64_t n, int64_t block, float* out,

@@ -181,6 +181,9 @@ void homo_decode(DType d, const int32_t* words, int64_t n, int64_t block, const 
 // Worker-side Nesterov momentum, in place on x: m = mu * m + x; x = mu * m + x.
 void nesterov(DType dtype, void* x, void* m, int64_t n, double mu);
 
+// Whether none of the n elements is inf or NaN (by their exponent bits; reads x once).
+bool all_finite(DType dtype, const void* x, int64_t n);
+
 // Per-step seed from a per-parameter base (hvd_compress.seeds.derive_seed, last step), so graph
 // frontends can advance a step counter tensor without leaving the graph.
 uint64_t step_seed(uint64_t base, int64_t step);
