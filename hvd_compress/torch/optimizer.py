@@ -193,7 +193,10 @@ class _CompressedReduction:
         ready = self._hvdc_filling[bucket.index]
         members = [m for m in bucket.members if m.name in ready]
         grads = [ready[m.name][0].grad for m in members]
-        flat = torch.cat([g.reshape(-1)[m.start:m.stop] for g, m in zip(grads, members)])
+        # A bucket of one member (a piece of a large gradient, or one that filled a bucket
+        # alone) is its gradient's own memory, reduced in place: no copy in, none out.
+        flat = (grads[0].view(-1)[members[0].start:members[0].stop] if len(members) == 1 else
+                torch.cat([g.reshape(-1)[m.start:m.stop] for g, m in zip(grads, members)]))
         name, step = bucket.named(members), ready[members[0].name][1]
         ps = self.process_set
         job = collectives.Job(name=name, n=flat.numel(), itemsize=flat.element_size(),
@@ -450,8 +453,15 @@ class BucketShare:
             plan, offsets = self._flights[bucket.index]
             at, n = offsets[self._name]
             pieces.append(plan()[at:at + n])
-        out = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-        return out.view(self._p.shape)
+        if len(pieces) == 1:
+            return pieces[0].view(self._p.shape)
+        # Pieces reduced in place are already the gradient, side by side.
+        grad, at = self._p.grad, 0
+        for piece in pieces:
+            if piece.data_ptr() != grad.data_ptr() + at * grad.element_size():
+                return torch.cat(pieces).view(self._p.shape)
+            at += piece.numel()
+        return grad
 
 
 class PendingPlan:

@@ -264,3 +264,24 @@ def test_a_bucket_is_sent_when_its_last_gradient_arrives_during_backward():
     assert sorted(opt._hvdc_flights) == [0, 1, 2, 3]
     opt.synchronize()
     oracle.check({n: t2n(p.grad) for n, p in params.items()}, oracle(grads), "overlap")
+
+
+@pytest.mark.parametrize("spec", ["onebit,ef=vanilla", "minmax8,chunk=64",
+                                  "dithering,ef=vanilla,collective=allreduce"])
+def test_a_gradient_in_buckets_of_its_own_is_reduced_in_its_own_memory(spec):
+    """"emb" fills three buckets alone: they are pieces of its gradient, reduced in place, so
+    the reduced gradient is the memory backward wrote (no copy into a bucket, none out of it).
+    "w" shares its bucket and is read out of it, with the same result as the oracle's."""
+    params, opt = bucketed(spec)
+    oracle = make_oracle(spec)
+    for step in range(2):
+        grads = step_grads(step)
+        opt.zero_grad()
+        sum((p * torch.from_numpy(grads[n][RANK])).sum() for n, p in params.items()).backward()
+        written = {n: p.grad.data_ptr() for n, p in params.items()}
+        opt.synchronize()
+        assert params["emb"].grad.data_ptr() == written["emb"]
+        assert params["w"].grad.data_ptr() != written["w"]
+        oracle.check({n: t2n(p.grad) for n, p in params.items()}, oracle(grads), f"step {step}")
+        with opt.skip_synchronize():
+            opt.step()
