@@ -145,6 +145,26 @@ class StateStore:
         self._slots[name][kind] = spare
         return held, spare
 
+    def movable(self, name: str, kind: str) -> bool:
+        """Whether move() can take the slot: a live slot the open (untraced) step has not
+        touched yet."""
+        return (self._txn is not None and not self._adapter.traced
+                and kind in self._slots.get(name, {}) and (name, kind) not in self._txn)
+
+    def move(self, name: str, kind: str, storage: Any) -> None:
+        """rewrite() into storage the frontend gives (a view into a second buffer that a
+        bucket's members share): a kernel reads the slot and writes every element of it into
+        `storage`, which holds the slot from now on; the old tensor, left as it was, is the
+        open step's backup. Only where movable()."""
+        if not self.movable(name, kind):
+            raise RuntimeError(f"slot {kind} of {name!r} cannot move: it is not live or the "
+                               f"open step already touched it")
+        held = self._slots[name][kind]
+        self._check_like(name, kind, held, storage)
+        self._txn[name, kind] = held
+        self._rewritten.add((name, kind))
+        self._slots[name][kind] = storage
+
     def place(self, name: str, kind: str, storage: Any) -> Any:
         """Let `storage` (shaped like the slot: a frontend's view into a larger buffer) hold the
         slot from now on, with the value the slot has (live, checkpointed or zeros). The open

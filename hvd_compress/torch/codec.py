@@ -102,6 +102,8 @@ class TorchCodec:
         # (job name, kind) -> (buffer, the members' slots that are views of it), kept across
         # steps: a bucket's state is read and written in place, not gathered and scattered.
         self._buffers: dict[tuple[str, str], tuple[torch.Tensor, list]] = {}
+        # The second buffer of a bucket's residual (_bucket_rewrite), in the same layout.
+        self._spare_buffers: dict[tuple[str, str], tuple[torch.Tensor, list]] = {}
         self._elementwise = {"ef", "momentum", *self.info.state_slots}
 
     def view(self, name: str, members: list) -> None:
@@ -237,7 +239,49 @@ class TorchCodec:
                 views.append(self.store.place(m, kind, buffer[at:at + s.numel()].view(s.shape)))
                 at += s.numel()
             held = self._buffers[name, kind] = (buffer, views)
+            self._spare_buffers.pop((name, kind), None)
         return held[0]
+
+    def _bucket_rewrite(self, name: str, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A bucket's residual for a kernel that reads it and writes all of it: (src, dst). Where
+        every member's slot is a live view of the bucket's buffer that this step has not touched,
+        dst is a second buffer of the same layout, which the members' slots move to
+        (StateStore.move), and src is left as it was as the step's backup: the kernel's pass
+        replaces a backup's copy. A bucket of one member does the same with its member's slot
+        (StateStore.rewrite; every piece of a gradient is encoded in the step its gradient
+        arrives, so all of the slot is written). Otherwise (the bucket's first step, a slot
+        already touched) both are the bucket's state, updated in place after a backup."""
+        gathered = self._gathered[name]
+        if "ef" in gathered:  # a later part of the same step
+            return gathered.get("ef_src", gathered["ef"]), gathered["ef"]
+        members, store = self._views[name], self.store
+        if len(members) == 1:  # a piece of its member's slot, or all of it: the slot alternates
+            m, g, a, b = members[0]
+            src, dst = (t.view(-1)[a:b] for t in store.rewrite(m, "ef", g))
+            gathered["ef"], gathered["ef_src"] = dst, src
+            return src, dst
+        held, other = self._buffers.get((name, "ef")), self._spare_buffers.get((name, "ef"))
+        slots = [store.peek(m, "ef") for m, _, _, _ in members]
+        if other is not None and all(s is v for s, v in zip(slots, other[1])):
+            # a rolled-back step left the slots in the other buffer
+            held, other = other, held
+            self._buffers[name, "ef"], self._spare_buffers[name, "ef"] = held, other
+        if (held is None or any(s is not v for s, v in zip(slots, held[1]))
+                or not all(store.movable(m, "ef") for m, _, _, _ in members)):
+            e = self._slot(name, "ef", like)
+            return e, e
+        if other is None:
+            buffer = torch.empty_like(held[0])
+            views, at = [], 0
+            for s in slots:
+                views.append(buffer[at:at + s.numel()].view(s.shape))
+                at += s.numel()
+            other = (buffer, views)
+        for (m, _, _, _), v in zip(members, other[1]):
+            store.move(m, "ef", v)
+        self._buffers[name, "ef"], self._spare_buffers[name, "ef"] = other, held
+        gathered["ef"], gathered["ef_src"] = other[0], held[0]
+        return held[0], other[0]
 
     def _end_bucket(self, name: str) -> None:
         """The bucket's view of its members' state, dropped at the end of its step."""
@@ -380,9 +424,9 @@ class TorchCodec:
             # A bucket's lazy scales belong to this step's encoding of it, not to any member:
             # each part's is settled into the residual at once, whatever the parts (whole,
             # chunks, or its members under granularity=tensor).
-            e = self._slot(name, "ef", grad).view(-1)[part.start:part.stop]
+            e_in, e = (t.view(-1)[part.start:part.stop] for t in self._bucket_rewrite(name, grad))
             carry = torch.zeros(info.ef_carry, device=x.device) if info.ef_carry else _NO_CARRY
-            _C.ef_encode(info.kernel_id, x, e, carry, kp, payload)
+            _C.ef_encode(info.kernel_id, x, e, carry, kp, payload, e_in)
             if info.ef_carry:
                 _C.ef_settle(info.kernel_id, e, carry)
             self._mask_momentum(name, grad, e, part)

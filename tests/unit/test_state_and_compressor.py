@@ -219,6 +219,41 @@ def test_a_slot_touched_or_made_in_the_step_is_rewritten_in_place():
     assert torch.equal(s.peek("w", "ef"), torch.ones(3)) and s.peek("b", "ef") is None
 
 
+def test_a_moved_slot_lives_in_the_given_storage_and_its_old_tensor_is_the_backup():
+    """move(): the slot moves into storage the frontend gives (a bucket's second buffer); the
+    old tensor, unwritten, is the step's backup, so a rollback puts it back without a copy.
+    Only a live slot the open step has not touched moves."""
+    s = store()
+    like = torch.ones(2, 3)
+    a = s.slot("w", "ef", like)
+    a.fill_(1.0)
+    assert not s.movable("w", "ef")  # no step open
+    buffer = torch.zeros(10)
+    s.begin()
+    assert s.movable("w", "ef") and not s.movable("b", "ef")  # "b" does not exist
+    s.move("w", "ef", buffer[2:8].view(2, 3))
+    moved = s.peek("w", "ef")
+    assert moved.data_ptr() == buffer[2:].data_ptr() and not s.movable("w", "ef")
+    moved.copy_(a + 1)
+    s.commit()
+    assert s.peek("w", "ef") is moved and torch.equal(a, torch.ones(2, 3))
+    assert np.array_equal(s.state_dict()["slots"]["w"]["ef"], np.full((2, 3), 2.0, np.float32))
+    s.begin()
+    s.move("w", "ef", a)  # back into the first storage, written from the second
+    a.copy_(moved + 1)
+    s.rollback()
+    assert s.peek("w", "ef") is moved and torch.equal(moved, torch.full((2, 3), 2.0))
+    s.begin()
+    s.slot("w", "ef", like)  # touched: its backup is a copy, and it stays where it is
+    with pytest.raises(RuntimeError, match="slot ef of 'w' cannot move"):
+        s.move("w", "ef", a)
+    s.rollback()
+    s.begin()
+    with pytest.raises(ValueError, match=r"ef state is float32\[2, 3\] but its gradient is now"):
+        s.move("w", "ef", torch.zeros(6))
+    s.rollback()
+
+
 class _TracedAdapter(TorchAdapter):
     """A traced frontend's bookkeeping on torch tensors: `where` is the graph being built."""
 
