@@ -132,17 +132,15 @@ class StateStore:
         key = (name, kind)
         if key in self._rewritten:
             return self._txn[key], self._slots[name][kind]
-        held = self._slots.get(name, {}).get(kind)
-        if held is None or self._txn is None or self._adapter.traced or key in self._txn:
+        if not self.movable(name, kind):
             held = self.slot(name, kind, like)
             return held, held
+        held = self._slots[name][kind]
         self._check_like(name, kind, held, like)
         spare = self._spares.pop(key, None)
         if spare is None:
             spare = self._adapter.zeros_like(held)
-        self._txn[key] = held
-        self._rewritten.add(key)
-        self._slots[name][kind] = spare
+        self.move(name, kind, spare)
         return held, spare
 
     def movable(self, name: str, kind: str) -> bool:
@@ -152,10 +150,10 @@ class StateStore:
                 and kind in self._slots.get(name, {}) and (name, kind) not in self._txn)
 
     def move(self, name: str, kind: str, storage: Any) -> None:
-        """rewrite() into storage the frontend gives (a view into a second buffer that a
-        bucket's members share): a kernel reads the slot and writes every element of it into
-        `storage`, which holds the slot from now on; the old tensor, left as it was, is the
-        open step's backup. Only where movable()."""
+        """For a kernel that reads the slot and writes every element of it into `storage`:
+        `storage` holds the slot from now on, and the old tensor, left as it was, is the open
+        step's backup. rewrite() moves a slot into a spare of its own; a frontend gives a view
+        into a second buffer that a bucket's members share. Only where movable()."""
         if not self.movable(name, kind):
             raise RuntimeError(f"slot {kind} of {name!r} cannot move: it is not live or the "
                                f"open step already touched it")
