@@ -36,23 +36,25 @@ void check_shape(int64_t rows, int64_t cols, int64_t r) {
 
 }  // namespace
 
-void powersgd_project(DType d, const void* g, void* e, bool ef, int64_t rows, int64_t cols,
-                      const void* qt, int64_t r, void* p) {
+void powersgd_project(DType d, const void* g, const void* e_in, void* e, bool ef, int64_t rows,
+                      int64_t cols, const void* qt, int64_t r, void* p) {
   check_shape(rows, cols, r);
   dispatch_factors(d, [&](auto* ttag, auto* atag) {
     using T = std::remove_pointer_t<decltype(ttag)>;
     using A = std::remove_pointer_t<decltype(atag)>;
     const T* gs = static_cast<const T*>(g);
+    const T* eis = static_cast<const T*>(e_in);
     T* es = static_cast<T*>(e);
     const A* q = static_cast<const A*>(qt);
     A* ps = static_cast<A*>(p);
     std::vector<A> m(static_cast<size_t>(cols));
     for (int64_t i = 0; i < rows; ++i) {
       const T* gr = gs + i * cols;
-      if (ef) {  // e holds M = g + e until the residual is taken
+      if (ef) {  // e holds M = g + e_in until the residual is taken
+        const T* eir = eis + i * cols;
         T* er = es + i * cols;
         for (int64_t j = 0; j < cols; ++j) {
-          er[j] = ef_sum(gr[j], er[j]);
+          er[j] = ef_sum(gr[j], eir[j]);
           m[j] = to_acc(er[j]);
         }
       } else {

@@ -15,11 +15,12 @@ constexpr int kCols = 8;       // factor columns kept in registers per sweep
 
 struct Ptrs {
   const void* in[kMaxBatch];
+  const void* in2[kMaxBatch];  // project's old residuals, which may be `out`
   void* out[kMaxBatch];
 };
 
-// Eight threads per (matrix, row). With ef, the first sweep forms M = g + e and stores it in e;
-// later sweeps (rank > kCols) read M back from e, each thread touching only its own elements.
+// Eight threads per (matrix, row). With ef, the first sweep forms M = g + e_in and stores it in
+// e; later sweeps (rank > kCols) read M back from e, each thread touching only its own elements.
 template <class T, class A>
 __global__ void project_k(Ptrs ptrs, bool ef, int64_t batch, int64_t rows, int64_t cols,
                           const A* qt, int64_t r, A* p) {
@@ -31,6 +32,7 @@ __global__ void project_k(Ptrs ptrs, bool ef, int64_t batch, int64_t rows, int64
     const bool live = item < batch * rows;
     const int64_t b = live ? item / rows : 0, i = live ? item % rows : 0;
     const T* g = static_cast<const T*>(ptrs.in[b]) + i * cols;
+    const T* e_in = ef ? static_cast<const T*>(ptrs.in2[b]) + i * cols : nullptr;
     T* e = ef ? static_cast<T*>(ptrs.out[b]) + i * cols : nullptr;
     const A* q = qt + b * r * cols;
     for (int64_t c0 = 0; c0 < r; c0 += kCols) {
@@ -40,7 +42,7 @@ __global__ void project_k(Ptrs ptrs, bool ef, int64_t batch, int64_t rows, int64
         for (int64_t j = lane8; j < cols; j += 8) {
           A m;
           if (ef && c0 == 0) {
-            const T mt = from_acc<T>(to_acc(g[j]) + to_acc(e[j]));
+            const T mt = from_acc<T>(to_acc(g[j]) + to_acc(e_in[j]));
             e[j] = mt;
             m = to_acc(mt);
           } else {
@@ -140,12 +142,14 @@ template <class F> void dispatch_factors(DType d, F&& fn) {
 
 // Runs fn(first, count, ptrs) over the batch in launches of at most kMaxBatch matrices.
 template <class F>
-void in_launches(int64_t batch, const void* const* in, void* const* out, F&& fn) {
+void in_launches(int64_t batch, const void* const* in, const void* const* in2, void* const* out,
+                 F&& fn) {
   for (int64_t first = 0; first < batch; first += kMaxBatch) {
     const int64_t count = std::min<int64_t>(kMaxBatch, batch - first);
     Ptrs ptrs{};
     for (int64_t b = 0; b < count; ++b) {
       ptrs.in[b] = in ? in[first + b] : nullptr;
+      ptrs.in2[b] = in2 ? in2[first + b] : nullptr;
       ptrs.out[b] = out ? out[first + b] : nullptr;
     }
     fn(first, count, ptrs);
@@ -154,8 +158,9 @@ void in_launches(int64_t batch, const void* const* in, void* const* out, F&& fn)
 
 }  // namespace
 
-void powersgd_project(DType d, const void* const* g, void* const* e, bool ef, int64_t batch,
-                      int64_t rows, int64_t cols, const void* qt, int64_t r, void* p, void* stream) {
+void powersgd_project(DType d, const void* const* g, const void* const* e_in, void* const* e,
+                      bool ef, int64_t batch, int64_t rows, int64_t cols, const void* qt, int64_t r,
+                      void* p, void* stream) {
   check_args(kNone, d, 0, Params{});
   if (rows < 0 || cols < 0 || r < 1 || batch < 0)
     throw KernelError("powersgd: need rows, cols >= 0 and rank >= 1");
@@ -163,7 +168,9 @@ void powersgd_project(DType d, const void* const* g, void* const* e, bool ef, in
   dispatch_factors(d, [&](auto* ttag, auto* atag) {
     using T = std::remove_pointer_t<decltype(ttag)>;
     using A = std::remove_pointer_t<decltype(atag)>;
-    in_launches(batch, g, ef ? e : nullptr, [&](int64_t first, int64_t count, const Ptrs& ptrs) {
+    const void* const* ein = ef ? e_in : nullptr;
+    void* const* eout = ef ? e : nullptr;
+    in_launches(batch, g, ein, eout, [&](int64_t first, int64_t count, const Ptrs& ptrs) {
       if (count * rows == 0) return;
       project_k<T, A><<<blocks_for(count * rows * 8), kThreads, 0, s>>>(
           ptrs, ef, count, rows, cols, static_cast<const A*>(qt) + first * r * cols, r,
@@ -193,7 +200,7 @@ void powersgd_back_project(DType d, const void* const* m, int64_t batch, int64_t
   dispatch_factors(d, [&](auto* ttag, auto* atag) {
     using T = std::remove_pointer_t<decltype(ttag)>;
     using A = std::remove_pointer_t<decltype(atag)>;
-    in_launches(batch, m, nullptr, [&](int64_t first, int64_t count, const Ptrs& ptrs) {
+    in_launches(batch, m, nullptr, nullptr, [&](int64_t first, int64_t count, const Ptrs& ptrs) {
       const int64_t threads = count * ((r + kCols - 1) / kCols) * cols;
       if (threads == 0) return;
       back_project_k<T, A><<<blocks_for(threads), kThreads, 0, s>>>(
@@ -213,7 +220,7 @@ void powersgd_reconstruct(DType d, const void* p, const void* qt, int64_t batch,
   dispatch_factors(d, [&](auto* ttag, auto* atag) {
     using T = std::remove_pointer_t<decltype(ttag)>;
     using A = std::remove_pointer_t<decltype(atag)>;
-    in_launches(batch, nullptr, out, [&](int64_t first, int64_t count, const Ptrs& ptrs) {
+    in_launches(batch, nullptr, nullptr, out, [&](int64_t first, int64_t count, const Ptrs& ptrs) {
       const int64_t threads = count * rows * cols;
       if (threads == 0) return;
       reconstruct_k<T, A><<<blocks_for(threads), kThreads, 0, s>>>(

@@ -54,11 +54,12 @@ struct CpuLaunch {
 #undef HVDC_TF_STREAM
 #undef HVDC_TF_NS
 
-  void powersgd_project(hvdc::DType d, const void* const* g, void* const* e, bool ef, int64_t batch,
-                        int64_t rows, int64_t cols, const void* qt, int64_t r, void* p) const {
+  void powersgd_project(hvdc::DType d, const void* const* g, const void* const* e_in,
+                        void* const* e, bool ef, int64_t batch, int64_t rows, int64_t cols,
+                        const void* qt, int64_t r, void* p) const {
     const int64_t f = factor_bytes(d);
     for (int64_t i = 0; i < batch; ++i)
-      hvdc::powersgd_project(d, g[i], e[i], ef, rows, cols, at(qt, i * r * cols * f), r,
+      hvdc::powersgd_project(d, g[i], e_in[i], e[i], ef, rows, cols, at(qt, i * r * cols * f), r,
                              at(p, i * rows * r * f));
   }
   void powersgd_orthogonalize(hvdc::DType d, void* p, int64_t batch, int64_t rows, int64_t r,

@@ -684,17 +684,20 @@ class PowerSGDProjectOp : public PowerSGDOp {
     Tensor* p = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({b, rows, r}), &p));
     const bool ef = es.size() > 0;
+    // The kernel reads each residual and writes every element of its output: no copy first.
+    std::vector<const void*> e_in(b, nullptr);
     std::vector<void*> e(b, nullptr);
     for (int64_t i = 0; ef && i < b; ++i) {
       OP_REQUIRES(ctx, es[i].shape() == ms[i].shape(),
                   tensorflow::errors::InvalidArgument("residual must match its matrix"));
       Tensor* out = nullptr;
-      if (!copy_to_output(ctx, launch, 1 + i, es[i], &out)) return;
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(1 + i, es[i].shape(), &out));
+      e_in[i] = es[i].data();
       e[i] = out->data();
     }
     const auto m = data_ptrs(ms);
-    HVDC_TF_TRY(ctx, launch.powersgd_project(d, m.data(), e.data(), ef, b, rows, cols, qt.data(),
-                                             r, p->data()));
+    HVDC_TF_TRY(ctx, launch.powersgd_project(d, m.data(), e_in.data(), e.data(), ef, b, rows, cols,
+                                             qt.data(), r, p->data()));
   }
 };
 

@@ -89,6 +89,17 @@ void check_out(const at::Tensor& out, const at::Tensor& like, const Where& w, co
                             std::to_string(out.numel()) + "]");
 }
 
+// A kernel that reads e_in and writes e element by element needs them to be one buffer or
+// apart: a partial overlap would read elements it has already written.
+void check_same_or_apart(const at::Tensor& e_in, const at::Tensor& e) {
+  const auto* a = static_cast<const char*>(e_in.data_ptr());
+  const auto* b = static_cast<const char*>(e.data_ptr());
+  const int64_t bytes = e.numel() * e.element_size();
+  if (a != b && a < b + bytes && b < a + bytes)
+    throw hvdc::KernelError("error-feedback residuals e_in and e overlap without being the "
+                            "same buffer");
+}
+
 void check_payload(const at::Tensor& payload, const Where& w, int64_t codec, hvdc::DType d,
                    int64_t n, const hvdc::Params& p) {
   check_on(payload, w, "payload");
@@ -297,26 +308,40 @@ template <class V> std::vector<V> data_ptrs(const std::vector<at::Tensor>& ts) {
   return out;
 }
 
+// es_in: the residuals to read when they are not es themselves.
 void powersgd_project(const std::vector<at::Tensor>& gs, std::vector<at::Tensor>& es, bool ef,
-                      const at::Tensor& qt, at::Tensor& p) {
+                      const at::Tensor& qt, at::Tensor& p,
+                      std::optional<std::vector<at::Tensor>> es_in) {
   const Where w = check_batch(gs, p, qt);
   HVDC_GUARD(w);
-  if (ef && es.size() != gs.size())
-    throw hvdc::KernelError("error feedback needs one residual per matrix of the batch");
+  const std::vector<at::Tensor>& eins = es_in ? *es_in : es;
+  if (ef && (es.size() != gs.size() || eins.size() != gs.size()))
+    throw hvdc::KernelError("error feedback needs one residual per matrix of the batch (" +
+                            std::to_string(gs.size()) + "), got " + std::to_string(es.size()) +
+                            " and " + std::to_string(eins.size()) + " old ones");
   if (ef)
-    for (size_t b = 0; b < gs.size(); ++b) check_out(es[b], gs[b], w, "error-feedback residual");
+    for (size_t b = 0; b < gs.size(); ++b) {
+      check_out(es[b], gs[b], w, "error-feedback residual");
+      if (es_in) {
+        check_out(eins[b], gs[b], w, "error-feedback residual e_in");
+        check_same_or_apart(eins[b], es[b]);
+      }
+    }
   const auto d = dtype_of(gs[0], "gradient");
   const int64_t rows = gs[0].size(0), cols = gs[0].size(1), r = qt.size(1);
 #ifdef HVDC_WITH_CUDA
   if (w.cuda) {
     const auto g = data_ptrs<const void*>(gs);
+    const auto ein = ef ? data_ptrs<const void*>(eins) : std::vector<const void*>(gs.size());
     const auto e = ef ? data_ptrs<void*>(es) : std::vector<void*>(gs.size(), nullptr);
-    return hvdc::gpu::powersgd_project(d, g.data(), e.data(), ef, static_cast<int64_t>(gs.size()),
-                                       rows, cols, qt.data_ptr(), r, p.data_ptr(), w.stream);
+    return hvdc::gpu::powersgd_project(d, g.data(), ein.data(), e.data(), ef,
+                                       static_cast<int64_t>(gs.size()), rows, cols, qt.data_ptr(),
+                                       r, p.data_ptr(), w.stream);
   }
 #endif
   for (size_t b = 0; b < gs.size(); ++b)
-    hvdc::powersgd_project(d, gs[b].data_ptr(), ef ? es[b].data_ptr() : nullptr, ef, rows, cols,
+    hvdc::powersgd_project(d, gs[b].data_ptr(), ef ? eins[b].data_ptr() : nullptr,
+                           ef ? es[b].data_ptr() : nullptr, ef, rows, cols,
                            qt.select(0, b).data_ptr(), r, p.select(0, b).data_ptr());
 }
 
@@ -398,12 +423,7 @@ void ef_encode(int64_t codec, const at::Tensor& x, at::Tensor& e, at::Tensor& ca
   const at::Tensor& ein = e_in ? *e_in : e;
   if (e_in) {
     check_out(ein, x, w, "error-feedback residual e_in");
-    const auto* a = static_cast<const char*>(ein.data_ptr());
-    const auto* b = static_cast<const char*>(e.data_ptr());
-    const int64_t bytes = e.numel() * e.element_size();
-    if (a != b && a < b + bytes && b < a + bytes)
-      throw hvdc::KernelError("error-feedback residuals e_in and e overlap without being the "
-                              "same buffer");
+    check_same_or_apart(ein, e);
   }
   const auto d = dtype_of(x, "gradient");
   auto xc = x.contiguous();
@@ -622,7 +642,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pair_aggregates", [](int64_t codec) {
     return hvdc::pair_aggregates(static_cast<hvdc::CodecId>(codec));
   });
-  m.def("powersgd_project", &powersgd_project, G());
+  m.def("powersgd_project", &powersgd_project, G(), py::arg("gs"), py::arg("es"), py::arg("ef"),
+        py::arg("qt"), py::arg("p"), py::arg("es_in") = py::none());
   m.def("powersgd_initial_q", &powersgd_initial_q, G());
   m.def("powersgd_orthogonalize", &powersgd_orthogonalize, G());
   m.def("powersgd_back_project", &powersgd_back_project, G());

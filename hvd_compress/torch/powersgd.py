@@ -139,7 +139,7 @@ class _Batch:
         b = len(self.names)
         self.qts = []
         qt = torch.empty(b, st.rank, cols, dtype=ftype, device=dev)
-        mats, res = [], []
+        mats, res, olds = [], [], []
         for i, (name, grad, step) in enumerate(zip(self.names, self.grads, self.steps)):
             m = grad.reshape(rows, cols)
             if not m.is_contiguous():
@@ -153,9 +153,13 @@ class _Batch:
             self.qts.append(mine)
             mats.append(m)
             if st.error_feedback:
-                res.append(store.slot(name, "ef", m))
+                # The kernel writes M into a second buffer; the old residual, left as it was,
+                # is the step's backup (StateStore.rewrite), so a skipped step costs no copy.
+                old, new = store.rewrite(name, "ef", m)
+                olds.append(old)
+                res.append(new)
         self.p = torch.empty(b, rows, st.rank, dtype=ftype, device=dev)
-        _C.powersgd_project(mats, res, st.error_feedback, qt, self.p)
+        _C.powersgd_project(mats, res, st.error_feedback, qt, self.p, olds)
         # With error feedback M = G + E was written into E, which step 6 turns into the residual.
         self.mats = res if st.error_feedback else mats
         self.qt = qt

@@ -669,6 +669,36 @@ def test_powersgd_warm_start_keeps_q_and_cold_start_redraws_it():
     assert not np.allclose(qts["true"][1], qts["false"][1])
 
 
+def test_powersgd_residual_alternates_buffers_and_a_skipped_step_puts_the_old_one_back():
+    """From a matrix's second compressed step, M = G + E is written into a second buffer and the
+    old residual, left as it was, is the step's backup: a non-finite step points the slot back
+    at it, and the steps after it alternate again and match the kernel simulation."""
+    spec = "powersgd,rank=2,start_iter=0"
+    params, opt = powersgd_optimizer(spec, [(30, 20)])
+    store = opt._hvdc_store
+    oracle = PowerSGDKernelSimulation(spec, "p0", WORLD)
+    rng = np.random.default_rng(4)
+
+    def grads():
+        return [[rng.standard_normal((30, 20)).astype(np.float32) for _ in range(WORLD)]]
+
+    for _ in range(2):
+        g = grads()
+        np.testing.assert_array_equal(powersgd_step(params, opt, g)[0].numpy(), oracle(g[0]))
+    held, before = store.peek("p0", "ef"), opt.compression_state_dict()
+    bad = grads()
+    bad[0][WORLD - 1][3, 4] = np.nan
+    powersgd_step(params, opt, bad)
+    assert store.peek("p0", "ef") is held
+    assert_same_state(opt.compression_state_dict(), before)
+    for _ in range(2):
+        g = grads()
+        np.testing.assert_array_equal(powersgd_step(params, opt, g)[0].numpy(), oracle(g[0]))
+        moved = store.peek("p0", "ef")
+        assert moved.data_ptr() != held.data_ptr()
+        held = moved
+
+
 # ---- a skipped step leaves no trace in the compression state --------------------------------
 # Every codec that keeps state (residuals, momentum, DGC's velocity, PowerSGD's Q and error,
 # step counters that seed draws), and collective=allreduce where the compressed allreduce's

@@ -591,6 +591,35 @@ def test_powersgd_kernel_simulation_agrees_with_the_float64_one(spec):
         np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64", "bfloat16"])
+def test_powersgd_project_with_es_in_writes_the_new_residual_and_keeps_the_old(dtype):
+    """With es_in, M = g + e_in goes into e and e_in is left as it was (a step's backup with no
+    copy): P and e the bits of the in-place call, e_in untouched; partial overlap refused."""
+    torch_dtype = random_grad(0, dtype).dtype
+    ftype = torch.float64 if dtype == "float64" else torch.float32
+    rows, cols, r = 37, 53, 3
+    gs = [random_grad(rows * cols, dtype, seed=s).view(rows, cols) for s in (1, 2)]
+    olds = [random_grad(rows * cols, dtype, seed=s).view(rows, cols) for s in (3, 4)]
+    qt = torch.randn(2, r, cols, dtype=ftype)
+    kept = [e.clone() for e in olds]
+    in_place = [e.clone() for e in olds]
+    p_ref = torch.empty(2, rows, r, dtype=ftype)
+    _C.powersgd_project(gs, in_place, True, qt, p_ref)
+    news = [torch.full_like(e, 7) for e in olds]
+    p = torch.empty_like(p_ref)
+    _C.powersgd_project(gs, news, True, qt, p, olds)
+    assert torch.equal(p, p_ref)
+    for new, want, old, k in zip(news, in_place, olds, kept):
+        assert torch.equal(new, want) and torch.equal(old, k)
+    assert not torch.equal(in_place[0], kept[0])  # the in-place call did write M
+    buf = torch.zeros(2 * rows * cols, dtype=torch_dtype)
+    with pytest.raises(ValueError, match="e_in and e overlap without being the same buffer"):
+        _C.powersgd_project(gs[:1], [buf[1:rows * cols + 1].view(rows, cols)], True, qt[:1],
+                            p[:1], [buf[:rows * cols].view(rows, cols)])
+    with pytest.raises(ValueError, match="one residual per matrix of the batch"):
+        _C.powersgd_project(gs, news, True, qt, p, olds[:1])
+
+
 def numpy_all_finite(t: torch.Tensor) -> bool:
     a = t2n(t)
     if t.dtype == torch.bfloat16:  # bfloat16 is the high half of a float32

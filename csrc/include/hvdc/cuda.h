@@ -58,12 +58,12 @@ void homo_decode(DType dtype, const int32_t* words, int64_t n, int64_t block, co
                  int64_t levels, int64_t lane_ranks, int64_t summands, void* out, double alpha,
                  bool accumulate, void* stream);
 
-// PowerSGD on a batch of `batch` same-shape matrices in one launch per pass: g, e and out are
-// host arrays of `batch` device pointers; P ([batch, rows, r]) and Qt ([batch, r, cols]) are
-// stacked in device memory.
-void powersgd_project(DType dtype, const void* const* g, void* const* e, bool ef, int64_t batch,
-                      int64_t rows, int64_t cols, const void* qt, int64_t r, void* p,
-                      void* stream);
+// PowerSGD on a batch of `batch` same-shape matrices in one launch per pass: g, e_in, e and
+// out are host arrays of `batch` device pointers; P ([batch, rows, r]) and Qt ([batch, r, cols])
+// are stacked in device memory.
+void powersgd_project(DType dtype, const void* const* g, const void* const* e_in, void* const* e,
+                      bool ef, int64_t batch, int64_t rows, int64_t cols, const void* qt, int64_t r,
+                      void* p, void* stream);
 void powersgd_orthogonalize(DType dtype, void* p, int64_t batch, int64_t rows, int64_t r,
                             double eps, void* stream);
 void powersgd_back_project(DType dtype, const void* const* m, int64_t batch, int64_t rows,

@@ -117,9 +117,10 @@ void encode_with_state(CodecId codec, DType dtype, const void* x, void* const* s
 
 // PowerSGD passes (csrc/cpu/powersgd.cc). M is rows x cols in the gradient dtype; P (rows x r)
 // and Qt (r x cols, Q transposed) are float32, float64 for float64 gradients.
-// project: M = g + e (stored into e when ef), P = M Q.
-void powersgd_project(DType dtype, const void* g, void* e, bool ef, int64_t rows, int64_t cols,
-                      const void* qt, int64_t r, void* p);
+// project: M = g + e_in (stored into e when ef), P = M Q. e may be e_in; when it is not, e_in
+// is left as it was (the step's backup of the residual, with no copy).
+void powersgd_project(DType dtype, const void* g, const void* e_in, void* e, bool ef, int64_t rows,
+                      int64_t cols, const void* qt, int64_t r, void* p);
 // The first Qt (r x cols) of a matrix: standard normals drawn from `seed` (derive_seed of the
 // spec's seed, the parameter's name and the step) with no generator state, so every rank and
 // both frontends draw the same. Element i is one of a Box-Muller pair (cos for even i, sin for
