@@ -469,6 +469,44 @@ def ef_encode(codec: str, x: np.ndarray, e: np.ndarray, dtype: str, prescale: fl
     return payload, decode(codec, payload, x.size, dtype, -1.0 / prescale, out=p, **dec_kw)
 
 
+# ---- PowerSGD passes (csrc/cpu/powersgd.cc), every operation rounded where the kernels round --
+def powersgd_project(g: np.ndarray, e_in: np.ndarray | None, qt: np.ndarray, dtype: str):
+    """(P, M): M = ef_sum(g, e_in) in the gradient's dtype (g itself without e_in), and
+    P[i, c] = sum_j M[i, j] * Qt[c, j] as eight partial sums, element j into partial j % 8 in
+    ascending j, combined ((0+1)+(2+3))+((4+5)+(6+7))."""
+    m = g if e_in is None else from_acc(to_acc(g, dtype) + to_acc(e_in, dtype), dtype)
+    mv = to_acc(m, dtype)
+    rows, cols = mv.shape
+    prod = mv[:, None, :] * qt[None, :, :]  # rows x r x cols, each product rounded
+    pad = -cols % 8
+    prod = np.concatenate([prod, np.zeros(prod.shape[:2] + (pad,), prod.dtype)], axis=2)
+    s = np.zeros(prod.shape[:2] + (8,), prod.dtype)
+    for j in range(0, cols + pad, 8):  # in order: numpy's own sum would add pairwise
+        s = s + prod[:, :, j:j + 8]
+    return ((s[..., 0] + s[..., 1]) + (s[..., 2] + s[..., 3])) + \
+        ((s[..., 4] + s[..., 5]) + (s[..., 6] + s[..., 7])), m
+
+
+def powersgd_back_project(m: np.ndarray, p: np.ndarray, dtype: str) -> np.ndarray:
+    """Qt[c, j] = sum over rows i, in order, of M[i, j] * P[i, c]."""
+    mv = to_acc(m, dtype)
+    qt = np.zeros((p.shape[1], mv.shape[1]), p.dtype)
+    for i in range(mv.shape[0]):
+        qt = qt + mv[i][None, :] * p[i][:, None]
+    return qt
+
+
+def powersgd_reconstruct(p: np.ndarray, qt: np.ndarray, out: np.ndarray, dtype: str,
+                         alpha: float, subtract: bool) -> np.ndarray:
+    """alpha * P Qt, or out - P Qt, each element's sum over c in order from 0."""
+    acc = np.zeros((p.shape[0], qt.shape[1]), p.dtype)
+    for c in range(p.shape[1]):
+        acc = acc + p[:, c:c + 1] * qt[c][None, :]
+    if subtract:
+        return from_acc(to_acc(out, dtype) - acc, dtype)
+    return from_acc(p.dtype.type(alpha) * acc, dtype)
+
+
 # ---- homomorphic quantisation (THC) --------------------------------------------------------
 def homo_lane_bits(levels: int, lane_ranks: int) -> int:
     """Smallest w with 2^w > levels * lane_ranks."""

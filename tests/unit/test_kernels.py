@@ -591,6 +591,39 @@ def test_powersgd_kernel_simulation_agrees_with_the_float64_one(spec):
         np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3 * np.abs(want).max())
 
 
+# rows around the back-projection's blocks of 4, columns around 8 (project's partial sums) and
+# the reconstruction's register blocks (64 float32 or 32 float64 sums), ranks past 8.
+POWERSGD_SHAPES = [(1, 1, 1), (3, 7, 2), (4, 8, 4), (5, 65, 3), (9, 200, 4), (6, 33, 9),
+                   (13, 129, 1)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,cols,r", POWERSGD_SHAPES)
+def test_powersgd_passes_match_numpy_bit_for_bit(rows, cols, r, dtype):
+    """Project (with and without error feedback), back-project and both reconstructions against
+    the numpy passes that add in the kernels' order: on the AVX2 path and the scalar one."""
+    ftype = torch.float64 if dtype == "float64" else torch.float32
+    g = random_grad(rows * cols, dtype, seed=rows).view(rows, cols)
+    e = random_grad(rows * cols, dtype, seed=cols).view(rows, cols)
+    qt = torch.randn(1, r, cols, dtype=ftype, generator=torch.Generator().manual_seed(r))
+    for ef in (True, False):
+        e_out = e.clone()
+        p = torch.empty(1, rows, r, dtype=ftype)
+        _C.powersgd_project([g], [e_out], ef, qt, p)
+        want_p, want_m = ref.powersgd_project(t2n(g), t2n(e) if ef else None, t2n(qt[0]), dtype)
+        assert same_bits(t2n(p[0]), want_p), f"P, ef={ef}"
+        assert same_bits(t2n(e_out), want_m if ef else t2n(e)), f"M, ef={ef}"
+    p = p / p.abs().amax()  # orthonormal-sized factors keep the products in half's range
+    q = torch.empty(1, r, cols, dtype=ftype)
+    _C.powersgd_back_project([g], p, q)
+    assert same_bits(t2n(q[0]), ref.powersgd_back_project(t2n(g), t2n(p[0]), dtype))
+    for alpha, subtract in ((1.0, True), (0.5, False)):
+        out = e.clone()
+        _C.powersgd_reconstruct(p, qt, [out], alpha, subtract)
+        want = ref.powersgd_reconstruct(t2n(p[0]), t2n(qt[0]), t2n(e), dtype, alpha, subtract)
+        assert same_bits(t2n(out), want), f"reconstruct, subtract={subtract}"
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float64", "bfloat16"])
 def test_powersgd_project_with_es_in_writes_the_new_residual_and_keeps_the_old(dtype):
     """With es_in, M = g + e_in goes into e and e_in is left as it was (a step's backup with no
