@@ -21,6 +21,17 @@ void check_tag(const void* payload, CodecId c, DType d, int64_t rank);
 
 bool cpu_has_avx2_f16c();
 
+// Runs fn() with everything it calls compiled for AVX2 where the CPU has it (and
+// HVDC_FORCE_SCALAR is not set): for loops whose order of operations is fixed by their code,
+// wider registers give the scalar path's results bit for bit, without intrinsics.
+template <class F> __attribute__((target("avx2"), flatten)) void run_avx2(F& fn) { fn(); }
+template <class F> void with_avx2(F&& fn) {
+  if (cpu_has_avx2_f16c())
+    run_avx2(fn);
+  else
+    fn();
+}
+
 // Streaming loops touch memory this far ahead of use: measured on the development VM, the
 // hardware prefetcher alone leaves one core ~15% short of its read bandwidth.
 constexpr int64_t kPrefetchBytes = 8192;

@@ -39,30 +39,32 @@ void check_shape(int64_t rows, int64_t cols, int64_t r) {
 void powersgd_project(DType d, const void* g, const void* e_in, void* e, bool ef, int64_t rows,
                       int64_t cols, const void* qt, int64_t r, void* p) {
   check_shape(rows, cols, r);
-  dispatch_factors(d, [&](auto* ttag, auto* atag) {
-    using T = std::remove_pointer_t<decltype(ttag)>;
-    using A = std::remove_pointer_t<decltype(atag)>;
-    const T* gs = static_cast<const T*>(g);
-    const T* eis = static_cast<const T*>(e_in);
-    T* es = static_cast<T*>(e);
-    const A* q = static_cast<const A*>(qt);
-    A* ps = static_cast<A*>(p);
-    std::vector<A> m(static_cast<size_t>(cols));
-    for (int64_t i = 0; i < rows; ++i) {
-      const T* gr = gs + i * cols;
-      if (ef) {  // e holds M = g + e_in until the residual is taken
-        const T* eir = eis + i * cols;
-        T* er = es + i * cols;
-        for (int64_t j = 0; j < cols; ++j) {
-          er[j] = ef_sum(gr[j], eir[j]);
-          m[j] = to_acc(er[j]);
+  with_avx2([&] {
+    dispatch_factors(d, [&](auto* ttag, auto* atag) {
+      using T = std::remove_pointer_t<decltype(ttag)>;
+      using A = std::remove_pointer_t<decltype(atag)>;
+      const T* gs = static_cast<const T*>(g);
+      const T* eis = static_cast<const T*>(e_in);
+      T* es = static_cast<T*>(e);
+      const A* q = static_cast<const A*>(qt);
+      A* ps = static_cast<A*>(p);
+      std::vector<A> m(static_cast<size_t>(cols));
+      for (int64_t i = 0; i < rows; ++i) {
+        const T* gr = gs + i * cols;
+        if (ef) {  // e holds M = g + e_in until the residual is taken
+          const T* eir = eis + i * cols;
+          T* er = es + i * cols;
+          for (int64_t j = 0; j < cols; ++j) {
+            er[j] = ef_sum(gr[j], eir[j]);
+            m[j] = to_acc(er[j]);
+          }
+        } else {
+          for (int64_t j = 0; j < cols; ++j) m[j] = to_acc(gr[j]);
         }
-      } else {
-        for (int64_t j = 0; j < cols; ++j) m[j] = to_acc(gr[j]);
+        for (int64_t c = 0; c < r; ++c)
+          ps[i * r + c] = dot8<A>([&](int64_t j) { return m[j]; }, q + c * cols, cols);
       }
-      for (int64_t c = 0; c < r; ++c)
-        ps[i * r + c] = dot8<A>([&](int64_t j) { return m[j]; }, q + c * cols, cols);
-    }
+    });
   });
 }
 
@@ -108,48 +110,75 @@ void powersgd_orthogonalize(DType d, void* p, int64_t rows, int64_t r, double ep
 void powersgd_back_project(DType d, const void* mat, int64_t rows, int64_t cols, const void* p,
                            int64_t r, void* qt) {
   check_shape(rows, cols, r);
-  dispatch_factors(d, [&](auto* ttag, auto* atag) {
-    using T = std::remove_pointer_t<decltype(ttag)>;
-    using A = std::remove_pointer_t<decltype(atag)>;
-    const T* ms = static_cast<const T*>(mat);
-    const A* ps = static_cast<const A*>(p);
-    A* q = static_cast<A*>(qt);
-    std::fill(q, q + r * cols, A(0));
-    for (int64_t i = 0; i < rows; ++i) {
-      const T* mr = ms + i * cols;
-      for (int64_t c = 0; c < r; ++c) {
-        const A pc = ps[i * r + c];
-        A* qc = q + c * cols;
-        for (int64_t j = 0; j < cols; ++j) qc[j] += to_acc(mr[j]) * pc;
-      }
-    }
+  with_avx2([&] {
+    dispatch_factors(d, [&](auto* ttag, auto* atag) {
+      using T = std::remove_pointer_t<decltype(ttag)>;
+      using A = std::remove_pointer_t<decltype(atag)>;
+      const T* ms = static_cast<const T*>(mat);
+      const A* ps = static_cast<const A*>(p);
+      A* q = static_cast<A*>(qt);
+      std::fill(q, q + r * cols, A(0));
+      // kRows rows at a time: each element of Q is loaded and stored once per block rather
+      // than once per row, and still adds the rows in order.
+      constexpr int64_t kRows = 4;
+      auto rows_from = [&](int64_t i0, auto count) {
+        constexpr int64_t K = decltype(count)::value;
+        for (int64_t c = 0; c < r; ++c) {
+          A pc[K];
+          for (int64_t k = 0; k < K; ++k) pc[k] = ps[(i0 + k) * r + c];
+          A* qc = q + c * cols;
+          const T* mr = ms + i0 * cols;
+          for (int64_t j = 0; j < cols; ++j) {
+            A v = qc[j];
+            for (int64_t k = 0; k < K; ++k) v += to_acc(mr[k * cols + j]) * pc[k];
+            qc[j] = v;
+          }
+        }
+      };
+      int64_t i = 0;
+      for (; i + kRows <= rows; i += kRows) rows_from(i, std::integral_constant<int64_t, kRows>{});
+      for (; i < rows; ++i) rows_from(i, std::integral_constant<int64_t, 1>{});
+    });
   });
 }
 
 void powersgd_reconstruct(DType d, const void* p, const void* qt, int64_t rows, int64_t cols,
                           int64_t r, void* out, double alpha, bool subtract_from_out) {
   check_shape(rows, cols, r);
-  dispatch_factors(d, [&](auto* ttag, auto* atag) {
-    using T = std::remove_pointer_t<decltype(ttag)>;
-    using A = std::remove_pointer_t<decltype(atag)>;
-    const A* ps = static_cast<const A*>(p);
-    const A* q = static_cast<const A*>(qt);
-    T* o = static_cast<T*>(out);
-    const A a = static_cast<A>(alpha);
-    std::vector<A> row(static_cast<size_t>(cols));
-    for (int64_t i = 0; i < rows; ++i) {
-      std::fill(row.begin(), row.end(), A(0));
-      for (int64_t c = 0; c < r; ++c) {
-        const A pc = ps[i * r + c];
-        const A* qc = q + c * cols;
-        for (int64_t j = 0; j < cols; ++j) row[j] += pc * qc[j];
+  with_avx2([&] {
+    dispatch_factors(d, [&](auto* ttag, auto* atag) {
+      using T = std::remove_pointer_t<decltype(ttag)>;
+      using A = std::remove_pointer_t<decltype(atag)>;
+      const A* ps = static_cast<const A*>(p);
+      const A* q = static_cast<const A*>(qt);
+      T* o = static_cast<T*>(out);
+      const A a = static_cast<A>(alpha);
+      // A block of a row's sums stays in registers across the r factor columns, so each
+      // output element is read and written once; each sum adds the columns in order from 0.
+      constexpr int64_t kBlock = 64 / sizeof(A) * 4;
+      auto block = [&](int64_t i, int64_t j0, auto width) {
+        constexpr int64_t W = decltype(width)::value;
+        const int64_t w = W ? W : cols - j0;
+        A acc[W ? W : kBlock];
+        for (int64_t jj = 0; jj < w; ++jj) acc[jj] = A(0);
+        for (int64_t c = 0; c < r; ++c) {
+          const A pc = ps[i * r + c];
+          const A* qc = q + c * cols + j0;
+          for (int64_t jj = 0; jj < w; ++jj) acc[jj] += pc * qc[jj];
+        }
+        T* orow = o + i * cols + j0;
+        if (subtract_from_out)
+          for (int64_t jj = 0; jj < w; ++jj) orow[jj] = from_acc<T>(to_acc(orow[jj]) - acc[jj]);
+        else
+          for (int64_t jj = 0; jj < w; ++jj) orow[jj] = from_acc<T>(a * acc[jj]);
+      };
+      for (int64_t i = 0; i < rows; ++i) {
+        int64_t j0 = 0;
+        for (; j0 + kBlock <= cols; j0 += kBlock)
+          block(i, j0, std::integral_constant<int64_t, kBlock>{});
+        if (j0 < cols) block(i, j0, std::integral_constant<int64_t, 0>{});
       }
-      T* orow = o + i * cols;
-      if (subtract_from_out)
-        for (int64_t j = 0; j < cols; ++j) orow[j] = from_acc<T>(to_acc(orow[j]) - row[j]);
-      else
-        for (int64_t j = 0; j < cols; ++j) orow[j] = from_acc<T>(a * row[j]);
-    }
+    });
   });
 }
 
