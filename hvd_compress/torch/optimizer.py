@@ -97,8 +97,8 @@ class _CompressedReduction:
             sparse_as_dense=sparse_as_dense, process_set=process_set)
         if self._hvdc_powersgd is not None:
             self._hvdc_powersgd.plan(
-                (self._parameter_names[p], p) for p in self._requires_update
-                if p.numel() * p.element_size() >= min_compress_bytes)
+                [(self._parameter_names[p], p) for p in self._backward_order()
+                 if p.numel() * p.element_size() >= min_compress_bytes], bucket_bytes)
         # Bucketed parameters -> the buckets holding their pieces; per step, each bucket's
         # members with a gradient so far, and the buckets in flight.
         self._hvdc_pieces: dict[Any, list[buckets.Bucket]] = {}
@@ -107,17 +107,21 @@ class _CompressedReduction:
         if bucket_bytes and member and config.codec != "none" and config.info.rounds == 1:
             self._hvdc_plan_buckets(bucket_bytes)
 
+    def _backward_order(self) -> list:
+        """The parameters that take gradients in the reverse of the order they were given: the
+        order backward usually produces them."""
+        return [p for group in reversed(self.param_groups) for p in reversed(group["params"])
+                if p in self._requires_update]
+
     def _hvdc_plan_buckets(self, max_bytes: int) -> None:
-        """hvd_compress.buckets.layout over the parameters this optimizer compresses, in the
-        reverse of the order they were given (the order backward usually produces them)."""
+        """hvd_compress.buckets.layout over the parameters this optimizer compresses, in
+        backward order."""
         by_name, order = {}, []
-        for group in reversed(self.param_groups):
-            for p in reversed(group["params"]):
-                if (p in self._requires_update and p.dtype in DTYPE_NAMES
-                        and p.dim() >= self._hvdc_codec.info.min_dim):
-                    name = self._parameter_names[p]
-                    by_name[name] = p
-                    order.append((name, p.numel(), DTYPE_NAMES[p.dtype], p.element_size()))
+        for p in self._backward_order():
+            if p.dtype in DTYPE_NAMES and p.dim() >= self._hvdc_codec.info.min_dim:
+                name = self._parameter_names[p]
+                by_name[name] = p
+                order.append((name, p.numel(), DTYPE_NAMES[p.dtype], p.element_size()))
         for bucket in buckets.layout(order, max_bytes, self._hvdc_min_bytes):
             for m in bucket.members:
                 self._hvdc_pieces.setdefault(by_name[m.name], []).append(bucket)

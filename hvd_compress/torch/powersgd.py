@@ -24,10 +24,14 @@ for float64 gradients). State (E, Q, step counters) lives in the optimizer's Sta
 checkpointed with compression_state_dict().
 
 Every round works on a batch of same-shape matrices: the kernels take the batch in one call and
-its P (Q) factors travel stacked in one allreduce. Without `batch_same_shape` a batch is one
-matrix, issued as soon as its gradient is ready. With it, the matrices of one shape and dtype
-form a batch, issued when the last of them is ready (or in synchronize(), with the ones that
-arrived); its state stays per parameter, so checkpoints do not depend on the setting.
+its P (Q) factors travel stacked. Without `batch_same_shape` a batch is one matrix, projected as
+soon as its gradient is ready. With it, the matrices of one shape and dtype form a batch,
+projected when the last of them is ready (or in synchronize(), with the ones that arrived).
+Batches travel in groups, each group's P in one grouped allreduce and then its Q in another: a
+group is one batch, or with the optimizer's `bucket_mb` the matrices of one bucket (consecutive
+in backward order, up to bucket_mb of gradient, one dtype), sent when the last of them is
+ready. Fewer, larger collectives: each costs the background thread a negotiation and the main
+thread a wait. The state stays per parameter, so checkpoints depend on neither setting.
 """
 from __future__ import annotations
 
@@ -58,19 +62,35 @@ class PowerSGDReduction:
         self.process_set = process_set
         self.world = process_set.size()
         self.average = average
-        self._groups: dict[str, list[str]] = {}
+        self._batches: dict[str, list[str]] = {}  # name -> its batch's names, if more than one
+        self._groups: dict[str, list[str]] = {}   # name -> its group's names, if more than one
         self._open: dict[tuple[str, ...], _Batch] = {}
+        self._open_groups: dict[tuple[str, ...], _Group] = {}
 
-    def plan(self, named_tensors) -> None:
-        """With batch_same_shape, group the parameters that will be compressed by shape and dtype;
-        names sorted, so every rank forms the same batches."""
-        if not self.state.batch_same_shape:
-            return
-        by_key: dict[tuple, list[str]] = {}
-        for name, t in sorted(named_tensors, key=lambda nt: nt[0]):
-            if self.state.compresses(t.shape):
-                by_key.setdefault((tuple(t.shape), t.dtype), []).append(name)
-        self._groups = {n: names for names in by_key.values() if len(names) > 1 for n in names}
+    def plan(self, named_tensors, bucket_bytes: int = 0) -> None:
+        """named_tensors in the order backward is expected to produce them. With bucket_bytes,
+        consecutive matrices of one dtype up to that many gradient bytes form a group; with
+        batch_same_shape, the matrices of one shape and dtype (in one group, if groups are
+        formed) form a batch. Names sorted within either, so every rank forms the same."""
+        wanted = [(n, t) for n, t in named_tensors if self.state.compresses(t.shape)]
+        groups = [[(n, t) for n, t in wanted]]
+        if bucket_bytes:
+            groups, size = [], 0
+            for n, t in wanted:
+                nbytes = t.numel() * t.element_size()
+                if not groups or t.dtype != groups[-1][0][1].dtype or size + nbytes > bucket_bytes:
+                    groups.append([])
+                    size = 0
+                groups[-1].append((n, t))
+                size += nbytes
+            self._groups = {n: sorted(m for m, _ in g) for g in groups if len(g) > 1 for n, _ in g}
+        if self.state.batch_same_shape:
+            by_key: dict[tuple, list[str]] = {}
+            for i, group in enumerate(groups):
+                for name, t in sorted(group, key=lambda nt: nt[0]):
+                    by_key.setdefault((i, tuple(t.shape), t.dtype), []).append(name)
+            self._batches = {n: names for names in by_key.values() if len(names) > 1
+                             for n in names}
 
     def compressed_step(self, name: str, grad: torch.Tensor) -> int | None:
         """Step 1: this parameter's step number when it is compressed now, else None."""
@@ -80,24 +100,95 @@ class PowerSGDReduction:
         return step
 
     def start(self, name: str, grad: torch.Tensor, step: int) -> "_Member":
-        group = self._groups.get(name)
-        key = tuple(group) if group else (name,)
+        names = self._batches.get(name)
+        key = tuple(names) if names else (name,)
         batch = self._open.get(key)
-        if batch is None or batch.issued:
-            if batch is not None:
-                # A batch already issued this step: this gradient came late (synchronize() found
-                # it missing); it goes alone rather than wait for the next step.
-                key = (name,)
-            batch = _Batch(self, key)
-            if len(key) > 1:
+        late = batch is not None and batch.issued
+        if batch is None or late:
+            # A batch already issued this step: this gradient came late (synchronize() found
+            # it missing); it goes alone rather than wait for the next step.
+            batch = _Batch(self, (name,) if late else key)
+            if len(key) > 1 and not late:
                 self._open[key] = batch
+            batch.group = self._group_for(name, batch, late)
+            batch.group.batches.append(batch)
         member = batch.add(name, grad, step)
         if batch.full:
             batch.issue()
+        batch.group.arrived(name)
         return member
+
+    def _group_for(self, name: str, batch: "_Batch", late: bool) -> "_Group":
+        names = self._groups.get(name)
+        if names is None or late:
+            return _Group(self, batch.key)
+        key = tuple(names)
+        group = self._open_groups.get(key)
+        if group is None:
+            group = self._open_groups[key] = _Group(self, key)
+        elif group.sent:  # sent without this matrix (synchronize() found it missing)
+            return _Group(self, batch.key)
+        return group
 
     def end_step(self) -> None:
         self._open.clear()
+        self._open_groups.clear()
+
+
+class _Group:
+    """Batches whose P travel in one grouped allreduce, then their Q in another."""
+
+    def __init__(self, red: PowerSGDReduction, key: tuple[str, ...]):
+        self.red, self.key = red, key
+        self.batches: list[_Batch] = []
+        self.names: set[str] = set()
+        self.sent = False
+        self.q_handle = None
+        self.done = False
+
+    def arrived(self, name: str) -> None:
+        self.names.add(name)
+        if len(self.names) == len(self.key):
+            self.send()
+
+    def send(self) -> None:
+        """Step 4, for every batch of the group (those that have not projected yet do now,
+        with the members that arrived)."""
+        for batch in self.batches:
+            if not batch.issued:
+                batch.issue()
+        self.batches.sort(key=lambda b: b.key)  # arrival order may differ between ranks
+        red = self.red
+        names = [n for b in self.batches for n in b.names]
+        self.label = names[0] if len(names) == 1 else f"{names[0]}+{len(names) - 1}"
+        self.handle = hvd.grouped_allreduce_async_([b.p for b in self.batches],
+                                                   name=f"{self.label}.powersgd_p", op=hvd.Sum,
+                                                   process_set=red.process_set)
+        self.sent = True
+
+    def prepare(self) -> None:
+        """Steps 5-7."""
+        if self.q_handle is not None:
+            return
+        if not self.sent:
+            self.send()
+        red = self.red
+        hvd.synchronize(self.handle)
+        for batch in self.batches:
+            batch.factor()
+        self.q_handle = hvd.grouped_allreduce_async_([b.qt for b in self.batches],
+                                                     name=f"{self.label}.powersgd_q", op=hvd.Sum,
+                                                     process_set=red.process_set)
+
+    def finish(self) -> None:
+        """Steps 8-9."""
+        if self.done:
+            return
+        self.prepare()
+        hvd.synchronize(self.q_handle)
+        for batch in self.batches:
+            batch.finish()
+        self.done = True
 
 
 class _Batch:
@@ -108,8 +199,7 @@ class _Batch:
         self.red, self.key = red, key
         self.arrived: dict[str, tuple[torch.Tensor, int]] = {}
         self.issued = False
-        self.q_handle = None
-        self.done = False
+        self.group: _Group
 
     @property
     def full(self) -> bool:
@@ -127,7 +217,7 @@ class _Batch:
         return _Member(self, name)
 
     def issue(self) -> None:
-        """Steps 2-4."""
+        """Steps 2-3."""
         red, st = self.red, self.red.state
         store = red.store
         self.names = [n for n in self.key if n in self.arrived]
@@ -164,32 +254,17 @@ class _Batch:
         self.mats = res if st.error_feedback else mats
         self.qt = qt
         self.name = self.names[0] if b == 1 else f"{self.names[0]}+{b - 1}"
-        self.handle = hvd.allreduce_async_(self.p, name=f"{self.name}.powersgd_p", op=hvd.Sum,
-                                           process_set=red.process_set)
         self.issued = True
 
-    def prepare(self) -> None:
-        """Steps 5-7."""
-        if self.q_handle is not None:
-            return
-        if not self.issued:
-            self.issue()
-        red = self.red
-        hvd.synchronize(self.handle)
-        _C.powersgd_orthogonalize(self.p, red.state.orthogonalization_epsilon)
-        q_local = self.qt
-        _C.powersgd_back_project(self.mats, self.p, q_local)
-        if red.state.error_feedback:
-            _C.powersgd_reconstruct(self.p, q_local, self.mats, 1.0, True)
-        self.q_handle = hvd.allreduce_async_(q_local, name=f"{self.name}.powersgd_q", op=hvd.Sum,
-                                             process_set=red.process_set)
+    def factor(self) -> None:
+        """Steps 5-6, once P is reduced."""
+        _C.powersgd_orthogonalize(self.p, self.red.state.orthogonalization_epsilon)
+        _C.powersgd_back_project(self.mats, self.p, self.qt)
+        if self.red.state.error_feedback:
+            _C.powersgd_reconstruct(self.p, self.qt, self.mats, 1.0, True)
 
     def finish(self) -> None:
-        """Steps 8-9."""
-        if self.done:
-            return
-        self.prepare()
-        hvd.synchronize(self.q_handle)
+        """Steps 8-9, once Q is reduced."""
         q = self.qt
         if self.red.average:
             q.mul_(1.0 / self.red.world)
@@ -198,7 +273,6 @@ class _Batch:
         rows = self.p.shape[1]
         self.outs = [g if g.is_contiguous() else torch.empty_like(g) for g in self.grads]
         _C.powersgd_reconstruct(self.p, q, [o.view(rows, -1) for o in self.outs], 1.0, False)
-        self.done = True
 
 
 class _Member:
@@ -213,8 +287,8 @@ class _Member:
         return sum(matrix_shape(self.batch.arrived[self.name][0].shape)) * self.batch.red.state.rank
 
     def prepare(self) -> None:
-        self.batch.prepare()
+        self.batch.group.prepare()
 
     def __call__(self) -> torch.Tensor:
-        self.batch.finish()
+        self.batch.group.finish()
         return self.batch.outs[self.batch.names.index(self.name)]

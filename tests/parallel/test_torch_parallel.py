@@ -496,10 +496,11 @@ def test_bad_optimizer_arguments():
 
 
 # ---- PowerSGD -------------------------------------------------------------------------------
-def powersgd_optimizer(spec, shapes, dtype=torch.float32):
+def powersgd_optimizer(spec, shapes, dtype=torch.float32, bucket_mb=0):
     params = [(f"p{i}", torch.nn.Parameter(torch.zeros(s, dtype=dtype))) for i, s in enumerate(shapes)]
     opt = hvdc.DistributedOptimizer(torch.optim.SGD([p for _, p in params], lr=0.0),
-                                    named_parameters=params, compression=spec, min_compress_bytes=0)
+                                    named_parameters=params, compression=spec, min_compress_bytes=0,
+                                    bucket_mb=bucket_mb)
     return params, opt
 
 
@@ -570,26 +571,50 @@ def test_powersgd_factors_a_conv_kernel_in_either_layout():
     assert same_bits(slots["p0"]["ef"].reshape(72, 16), t2n(sims[0].e[RANK]))
 
 
-def test_powersgd_batch_same_shape_matches_unbatched_and_batches(monkeypatch):
-    """Stacking same-shape matrices changes how P and Q travel, not the arithmetic: results and
-    state equal the unbatched run bit for bit, with one P and one Q allreduce per shape. On
-    step 2 one matrix gets no gradient on rank 1: that rank puts zeros in its place, so the
-    batches agree. On step 3 it gets none anywhere: its batch goes without it."""
+# What travels per variant (batch_same_shape, bucket_mb): on steps 1 and 2, then on step 3.
+# Backward produces p4, p3, p2, p1, p0; a bucket of 3 matrices' bytes groups p4-p2 and p1-p0.
+PSGD_BUCKET_MB = 3 * 240 * 8 / 2 ** 20
+PSGD_SENT = {
+    ("true", 0): ([("p0+2.powersgd_p", ((3, 20, 2),)), ("p0+2.powersgd_q", ((3, 2, 12),)),
+                   ("p2+1.powersgd_p", ((2, 12, 2),)), ("p2+1.powersgd_q", ((2, 2, 20),))],
+                  ["p0+1.powersgd_p", "p0+1.powersgd_q", "p2+1.powersgd_p", "p2+1.powersgd_q"]),
+    ("false", PSGD_BUCKET_MB): (
+        [("p0+1.powersgd_p", ((1, 20, 2), (1, 20, 2))),
+         ("p0+1.powersgd_q", ((1, 2, 12), (1, 2, 12))),
+         ("p2+2.powersgd_p", ((1, 12, 2), (1, 20, 2), (1, 12, 2))),
+         ("p2+2.powersgd_q", ((1, 2, 20), (1, 2, 12), (1, 2, 20)))],
+        ["p0+1.powersgd_p", "p0+1.powersgd_q", "p2+1.powersgd_p", "p2+1.powersgd_q"]),
+    ("true", PSGD_BUCKET_MB): (
+        [("p0+1.powersgd_p", ((2, 20, 2),)), ("p0+1.powersgd_q", ((2, 2, 12),)),
+         ("p2+2.powersgd_p", ((2, 12, 2), (1, 20, 2))),
+         ("p2+2.powersgd_q", ((2, 2, 20), (1, 2, 12)))],
+        ["p0+1.powersgd_p", "p0+1.powersgd_q", "p2+1.powersgd_p", "p2+1.powersgd_q"]),
+}
+
+
+@pytest.mark.parametrize("batch,bucket_mb", list(PSGD_SENT), ids=["batched", "bucketed",
+                                                                  "batched-and-bucketed"])
+def test_powersgd_batches_and_buckets_match_unbatched(monkeypatch, batch, bucket_mb):
+    """Stacking same-shape matrices (batch_same_shape) and sending a bucket's factors in one
+    grouped allreduce (bucket_mb) change how P and Q travel, not the arithmetic: results and
+    state equal the unbatched run bit for bit. On step 2 one matrix gets no gradient on rank 1:
+    that rank puts zeros in its place, so the batches agree. On step 3 it gets none anywhere:
+    its batch and bucket go without it."""
     shapes = [(20, 12), (20, 12), (12, 20), (20, 12), (12, 20), (50,)]
     rng = np.random.default_rng(4)
     grads = [[[rng.standard_normal(s) for _ in range(WORLD)] for s in shapes] for _ in range(4)]
     sent = []
-    original = hvd.allreduce_async_
+    original = hvd.grouped_allreduce_async_
 
-    def recording(tensor, *args, **kwargs):
-        sent.append((kwargs.get("name"), tuple(tensor.shape)))
-        return original(tensor, *args, **kwargs)
+    def recording(tensors, *args, **kwargs):
+        sent.append((kwargs.get("name"), tuple(tuple(t.shape) for t in tensors)))
+        return original(tensors, *args, **kwargs)
 
-    monkeypatch.setattr(hvd, "allreduce_async_", recording)
+    monkeypatch.setattr(hvd, "grouped_allreduce_async_", recording)
     results, states = {}, {}
-    for batch in ("false", "true"):
-        spec = f"powersgd,rank=2,start_iter=1,batch_same_shape={batch}"
-        params, opt = powersgd_optimizer(spec, shapes, torch.float64)
+    for variant in (("false", 0), (batch, bucket_mb)):
+        spec = f"powersgd,rank=2,start_iter=1,batch_same_shape={variant[0]}"
+        params, opt = powersgd_optimizer(spec, shapes, torch.float64, bucket_mb=variant[1])
         got = []
         for step, g in enumerate(grads):
             sent.clear()
@@ -602,25 +627,27 @@ def test_powersgd_batch_same_shape_matches_unbatched_and_batches(monkeypatch):
                         for _, p in params])
             with opt.skip_synchronize():
                 opt.step()
-            if batch == "true" and step in (1, 2):
-                factors = sorted(x for x in sent if ".powersgd_" in x[0])
-                assert factors == [("p0+2.powersgd_p", (3, 20, 2)), ("p0+2.powersgd_q", (3, 2, 12)),
-                                   ("p2+1.powersgd_p", (2, 12, 2)), ("p2+1.powersgd_q", (2, 2, 20))]
-            if batch == "true" and step == 3:
-                factors = sorted(x[0] for x in sent if ".powersgd_" in x[0])
-                assert factors == ["p0+1.powersgd_p", "p0+1.powersgd_q", "p2+1.powersgd_p",
-                                   "p2+1.powersgd_q"]
+            if variant == ("false", 0) and step > 0:  # one matrix per grouped allreduce
+                assert sorted(sent) == sorted(
+                    (f"p{i}.powersgd_{f}", ((1,) + (s if f == "p" else s[::-1]),))
+                    for i in range(5) if not (step == 3 and i == 3) for f in "pq"
+                    for s in [(shapes[i][0], 2) if f == "p" else (shapes[i][1], 2)])
+            elif variant != ("false", 0) and step in (1, 2):
+                assert sorted(sent) == PSGD_SENT[variant][0]
+            elif variant != ("false", 0) and step == 3:
+                assert sorted(x[0] for x in sent) == PSGD_SENT[variant][1]
             if step == 3:
                 assert params[3][1].grad is None
-        results[batch] = got
-        states[batch] = opt.compression_state_dict()["slots"]
-    for a, b in zip(results["false"], results["true"]):
+        results[variant] = got
+        states[variant] = opt.compression_state_dict()["slots"]
+    plain, other = ("false", 0), (batch, bucket_mb)
+    for a, b in zip(results[plain], results[other]):
         for x, y in zip(a, b):
             assert (x is None and y is None) or torch.equal(x, y)
-    assert states["false"].keys() == states["true"].keys()
-    for name, slots in states["false"].items():
+    assert states[plain].keys() == states[other].keys()
+    for name, slots in states[plain].items():
         for slot, value in slots.items():
-            np.testing.assert_array_equal(value, states["true"][name][slot])
+            np.testing.assert_array_equal(value, states[other][name][slot])
 
 
 def test_powersgd_on_low_rank_gradients_equals_plain_allreduce():
