@@ -10,11 +10,13 @@ Per parameter, viewing its gradient G as a matrix M (rows = first dimension):
        own momentum is then 0), in step 1's plain allreduce too.
     3. P = M Q, with Q from the previous step (warm start) or, on a parameter's first
        compressed step or with warm_start off, drawn from the spec's seed: the same on all ranks.
-    4. Allreduce P, asynchronously (issued from the backward hook, overlapped with backward).
+    4. Allreduce P, asynchronously, with the other P of its group (below) in one grouped
+       allreduce, issued from the backward hook when the group is complete (overlapped with
+       backward).
     In synchronize(), for all parameters before waiting on any second round:
     5. Orthogonalise P (Gram-Schmidt).
     6. Q_i = M^T P, and E = M - P Q_i^T: what this rank's approximation missed.
-    7. Allreduce Q, asynchronously.
+    7. Allreduce Q, asynchronously, with its group's.
     Then per parameter:
     8. Q = Q_sum / world (op=Average), kept for the next step's warm start.
     9. G = P Q^T.
@@ -253,7 +255,6 @@ class _Batch:
         # With error feedback M = G + E was written into E, which step 6 turns into the residual.
         self.mats = res if st.error_feedback else mats
         self.qt = qt
-        self.name = self.names[0] if b == 1 else f"{self.names[0]}+{b - 1}"
         self.issued = True
 
     def factor(self) -> None:
