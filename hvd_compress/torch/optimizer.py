@@ -41,6 +41,7 @@ from ..stats import CompressionStats
 from . import _C
 from .codec import DTYPE_NAMES, TorchAdapter, TorchCodec
 from .powersgd import PowerSGDReduction
+from .waiting import wait, waiter
 from . import elastic
 from ..compressor import CompressorBase
 from .compression import Compression
@@ -224,13 +225,14 @@ class _CompressedReduction:
         gradient travels as float32 (exact) and is rounded back once, after the reduction."""
         grad = p.grad
         if grad.is_sparse or grad.dtype != torch.bfloat16:
-            return _DistributedOptimizer._allreduce_grad_async(self, p)
+            handle, ctx = _DistributedOptimizer._allreduce_grad_async(self, p)
+            return (waiter(handle) if isinstance(handle, int) else handle), ctx
         pre, post = ((1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor)
                      if self.op == hvd.Average else (1.0, 1.0))
         handle = hvd.allreduce_async_(grad.float(), name=self._parameter_names.get(p),
                                       op=self.op, prescale_factor=pre, postscale_factor=post,
                                       process_set=self.process_set)
-        return (lambda: hvd.synchronize(handle).to(grad.dtype)), None
+        return (lambda: wait(handle).to(grad.dtype)), None
 
     def _hvdc_plain(self, p, name, grad):
         """Horovod's own allreduce of the uncompressed gradient, recorded in the statistics.
@@ -265,8 +267,8 @@ class _CompressedReduction:
             self._hvdc_active = ps.size()
             if ps.size() > 1:
                 ones = torch.ones(1, dtype=torch.int32)
-                self._hvdc_active = int(hvd.allreduce(ones, op=hvd.Sum, process_set=ps,
-                                                      name="hvd_compress.active_ranks"))
+                self._hvdc_active = int(wait(hvd.allreduce_async(
+                    ones, op=hvd.Sum, process_set=ps, name="hvd_compress.active_ranks")))
         return self._hvdc_active < ps.size()
 
     def _powersgd_grad_async(self, p, name, grad):
@@ -343,8 +345,8 @@ class _CompressedReduction:
         has = torch.tensor([q in self._handles or q.grad is not None for q in params],
                            dtype=torch.int32)
         if ps.size() > 1:
-            has = hvd.allreduce(has, op=hvd.Sum, name="hvd_compress.has_gradient",
-                                process_set=ps)
+            has = wait(hvd.allreduce_async(has, op=hvd.Sum, name="hvd_compress.has_gradient",
+                                           process_set=ps))
         return {q for q, count in zip(params, has.tolist()) if count == 0}
 
     def _hvdc_follow_world(self) -> bool:
@@ -499,7 +501,7 @@ class PendingPlan:
     def prepare(self) -> None:
         if self._done:
             return
-        out = hvd.synchronize(self._handle)
+        out = wait(self._handle)
         if isinstance(out, tuple):  # alltoall: (received, received splits)
             out = out[0]
         try:

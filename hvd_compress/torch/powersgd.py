@@ -45,6 +45,7 @@ from ..seeds import derive_seed
 from ..spec import CompressionConfig
 from ..state import StateStore
 from . import _C
+from .waiting import wait
 
 
 def initial_q(seed: int, name: str, step: int, rank: int, cols: int,
@@ -175,7 +176,7 @@ class _Group:
         if not self.sent:
             self.send()
         red = self.red
-        hvd.synchronize(self.handle)
+        wait(self.handle)
         for batch in self.batches:
             batch.factor()
         self.q_handle = hvd.grouped_allreduce_async_([b.qt for b in self.batches],
@@ -187,7 +188,7 @@ class _Group:
         if self.done:
             return
         self.prepare()
-        hvd.synchronize(self.q_handle)
+        wait(self.q_handle)
         for batch in self.batches:
             batch.finish()
         self.done = True

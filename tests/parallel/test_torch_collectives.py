@@ -8,6 +8,8 @@ and tensors smaller than the rank count or not divisible by it.
 """
 from __future__ import annotations
 
+import time
+
 import horovod.torch as hvd
 import numpy as np
 import pytest
@@ -19,6 +21,7 @@ from hvd_compress import collectives as col
 from hvd_compress.torch.codec import TorchCodec
 from hvd_compress.torch.optimizer import PendingPlan
 import hvd_compress as hc
+import hvd_compress.torch as hvdc
 
 hvd.init()
 WORLD, RANK = hvd.size(), hvd.rank()
@@ -244,3 +247,33 @@ def test_checkpointed_state_continues_bit_exactly(spec):
             opt.load_compression_state_dict(saved)
         grads = grads_for_step(n, "float32", step, WORLD)
         assert same_bits(t2n(reduce_step(p, opt, n2t(grads[RANK], "float32"))), sim(grads))
+
+
+@pytest.mark.parametrize("spec", ["none", "topk,k=0.05,ef=vanilla", "minmax8,chunk=64",
+                                  "powersgd,rank=1,start_iter=0"])
+def test_a_rank_waiting_for_the_others_leaves_its_core_free(spec):
+    """Horovod's synchronize() spins until a collective is done. The optimizer polls and sleeps
+    instead, so a rank that waits does not take the core that the other ranks, and Horovod's
+    background thread doing the collective, need. Rank 0 starts the step at once and the
+    others `late` seconds after it: rank 0's thread may spend a small part of that wait on the
+    CPU, where a spin spends all of it. Every path that waits: the count of stepping ranks, a
+    plan's collectives, Horovod's allreduce of an uncompressed bias, PowerSGD's two rounds."""
+    late = 0.4
+    w = torch.nn.Parameter(torch.zeros(16, 64))
+    b = torch.nn.Parameter(torch.zeros(64))
+    opt = hvdc.DistributedOptimizer(torch.optim.SGD([w, b], lr=0.0),
+                                    named_parameters=[("w", w), ("b", b)], compression=spec,
+                                    min_compress_bytes=0)
+    for step in range(2):
+        opt.zero_grad()
+        if RANK != 0:
+            time.sleep(late)
+        wall, cpu = time.perf_counter(), time.thread_time()
+        ((w * (step + 1)).sum() + b.sum()).backward()
+        opt.synchronize()
+        wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
+        with opt.skip_synchronize():
+            opt.step()
+    if RANK == 0:
+        assert wall > 0.5 * late, "rank 0 did not wait for the others"
+        assert cpu < 0.2 * wall, f"rank 0 spent {cpu:.3f} s on the CPU in a {wall:.3f} s wait"
