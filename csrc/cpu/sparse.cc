@@ -6,6 +6,8 @@
 //   nothing above the threshold still sends its 8-byte header, so collectives see a payload.
 // dgc payload (fixed size, so allgather sizes match on all ranks): [u32 tag][u32 k][u32 count]
 //   [u32 0][i32 indices[k], ascending, padded to 8][values[k]]; slots past count are zero.
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -70,18 +72,19 @@ void reduce_sparse(DType d, int64_t n, void* out, double alpha, bool accumulate,
   });
 }
 
-// Indices (ascending) of the at most k largest |v|, DGC style: a threshold from a 1% strided
-// sample at the target density, lowered (up to 4 times) while fewer than 0.8k pass it, then
-// an exact top-k among the candidates (ties to the lower index) when more than k pass.
-// Magnitudes compare as key_of keys, as in the CUDA kernel: a NaN in the velocity is sent.
-template <class A>
-std::vector<int32_t> dgc_select(const A* v, int64_t n, int64_t k) {
-  using K = decltype(key_of(A()));
+// DGC's selection samples every dgc_stride(n)-th key of the accumulated velocity (1%).
+int64_t dgc_stride(int64_t n) { return std::max<int64_t>(1, n / std::max<int64_t>(1, n / 100)); }
+
+// Indices (ascending) of the at most k largest |v|, DGC style: a threshold from the 1% strided
+// sample (its keys in `sample`) at the target density, lowered (up to 4 times) while fewer than
+// 0.8k pass it, then an exact top-k among the candidates (ties to the lower index) when more
+// than k pass. Magnitudes compare as key_of keys, as in the CUDA kernel: a NaN in the velocity
+// is sent. The first candidates come from first(t, cand), the pass that also writes v, so
+// that v is swept again only when the threshold must come down.
+template <class A, class K, class First>
+std::vector<int32_t> dgc_select(const A* v, int64_t n, int64_t k, std::vector<K> sample,
+                                First&& first) {
   std::vector<int32_t> cand;
-  if (k == 0 || n == 0) return cand;
-  const int64_t stride = std::max<int64_t>(1, n / std::max<int64_t>(1, n / 100));
-  std::vector<K> sample;
-  for (int64_t i = 0; i < n; i += stride) sample.push_back(key_of(v[i]));
   const int64_t m = static_cast<int64_t>(sample.size());
   int64_t r = std::max<int64_t>(1, (k * m + n / 2) / n);
   int64_t placed = 0;  // sample[0, placed) holds the largest values, each >= what follows
@@ -96,7 +99,9 @@ std::vector<int32_t> dgc_select(const A* v, int64_t n, int64_t k) {
     at_zero = sample[at] == 0;
     const K thr = at_zero ? K(1) : sample[at];
     cand.clear();
-    if constexpr (std::is_same_v<A, float>) {
+    if (attempt == 0) {
+      first(thr, cand);
+    } else if constexpr (std::is_same_v<A, float>) {
       topk::collect_at_least(v, nullptr, nullptr, n, thr, cand);
     } else {
       for (int64_t i = 0; i < n; ++i)
@@ -121,6 +126,48 @@ std::vector<int32_t> dgc_select(const A* v, int64_t n, int64_t k) {
     cand.swap(order);
   }
   return cand;
+}
+
+// DGC's momentum correction and accumulation in place, u = mf u + scale x and v = v + u, with
+// the indices whose new key_of(v) is at least t (t > 0) appended to out in ascending order:
+// the update and the first candidate pass in one sweep of memory. The same float operations in
+// the same order as the scalar loop, so the same bits.
+__attribute__((target("avx2"))) void dgc_step_f32_avx2(const float* x, float* u, float* v,
+                                                       int64_t n, float mf, float scale,
+                                                       uint32_t t, std::vector<int32_t>& out) {
+  // keys are below 2^31, so a signed compare against t - 1 is the unsigned test key >= t.
+  const __m256i thr = _mm256_set1_epi32(static_cast<int32_t>(t) - 1);
+  const __m256i absmask = _mm256_set1_epi32(0x7fffffff);
+  const __m256 vm = _mm256_set1_ps(mf), vs = _mm256_set1_ps(scale);
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    for (int64_t ahead = 0; ahead < 32; ahead += 16) {
+      prefetch_ahead(x + i + ahead);
+      prefetch_ahead(u + i + ahead);
+      prefetch_ahead(v + i + ahead);
+    }
+    uint32_t mask = 0;
+    for (int w = 0; w < 4; ++w) {
+      const int64_t j = i + 8 * w;
+      const __m256 uj = _mm256_add_ps(_mm256_mul_ps(vm, _mm256_loadu_ps(u + j)),
+                                      _mm256_mul_ps(_mm256_loadu_ps(x + j), vs));
+      const __m256 vj = _mm256_add_ps(_mm256_loadu_ps(v + j), uj);
+      _mm256_storeu_ps(u + j, uj);
+      _mm256_storeu_ps(v + j, vj);
+      const __m256i key = _mm256_and_si256(_mm256_castps_si256(vj), absmask);
+      mask |= static_cast<uint32_t>(_mm256_movemask_ps(_mm256_castsi256_ps(
+                  _mm256_cmpgt_epi32(key, thr)))) << (8 * w);
+    }
+    while (mask) {
+      out.push_back(static_cast<int32_t>(i + __builtin_ctz(mask)));
+      mask &= mask - 1;
+    }
+  }
+  for (; i < n; ++i) {
+    u[i] = mf * u[i] + x[i] * scale;
+    v[i] = v[i] + u[i];
+    if (key_of(v[i]) >= t) out.push_back(static_cast<int32_t>(i));
+  }
 }
 
 }  // namespace
@@ -234,19 +281,46 @@ void dgc_encode(DType d, const void* x, void* u, void* v, int64_t n, const Param
       if (norm > p.clip_norm) scale = static_cast<A>(p.clip_norm / norm);
     }
     const A mf = static_cast<A>(p.momentum_factor);
+    auto next_v = [&](int64_t i, A* ui) {
+      *ui = round_to<T>(mf * to_acc(us[i]) + to_acc(xs[i]) * scale);
+      return round_to<T>(to_acc(vs[i]) + *ui);
+    };
     // Selection reads v in the accumulator type: in place for float32/float64, a copy else.
     std::vector<A> widened(std::is_same_v<T, A> ? 0 : static_cast<size_t>(n));
-    for (int64_t i = 0; i < n; ++i) {
-      const A ui = round_to<T>(mf * to_acc(us[i]) + to_acc(xs[i]) * scale);
-      const A vi = round_to<T>(to_acc(vs[i]) + ui);
-      us[i] = from_acc<T>(ui);
-      vs[i] = from_acc<T>(vi);
-      if constexpr (!std::is_same_v<T, A>) widened[i] = vi;
+    // The update, collecting the keys at least t on the way when t > 0.
+    auto step = [&](auto t, std::vector<int32_t>& cand) {
+      if constexpr (std::is_same_v<T, float>) {
+        if (t > 0 && cpu_has_avx2_f16c()) {
+          dgc_step_f32_avx2(xs, us, vs, n, mf, scale, t, cand);
+          return;
+        }
+      }
+      for (int64_t i = 0; i < n; ++i) {
+        A ui;
+        const A vi = next_v(i, &ui);
+        us[i] = from_acc<T>(ui);
+        vs[i] = from_acc<T>(vi);
+        if constexpr (!std::is_same_v<T, A>) widened[i] = vi;
+        if (t > 0 && key_of(vi) >= t) cand.push_back(static_cast<int32_t>(i));
+      }
+    };
+    using K = decltype(key_of(A()));
+    std::vector<int32_t> sel;
+    if (k == 0 || n == 0) {
+      step(K(0), sel);
+    } else {
+      // The sample is of the velocity after this step's update, computed ahead of it.
+      std::vector<K> sample;
+      const int64_t stride = dgc_stride(n);
+      for (int64_t i = 0; i < n; i += stride) {
+        A ui;
+        sample.push_back(key_of(next_v(i, &ui)));
+      }
+      const A* acc = nullptr;
+      if constexpr (std::is_same_v<T, A>) acc = vs;
+      else acc = widened.data();
+      sel = dgc_select(acc, n, k, std::move(sample), step);
     }
-    const A* acc = nullptr;
-    if constexpr (std::is_same_v<T, A>) acc = vs;
-    else acc = widened.data();
-    const std::vector<int32_t> sel = dgc_select(acc, n, k);
     T* vals = reinterpret_cast<T*>(out + kDgcHeader + index_bytes(k));
     for (size_t j = 0; j < sel.size(); ++j) {
       idx[j] = sel[j];
