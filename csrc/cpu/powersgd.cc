@@ -3,6 +3,7 @@
 // transposed, r x cols, so every pass streams M's rows against contiguous Q rows. P and Q are
 // float32 (float64 for float64 gradients). Dot products use eight fixed partial sums, so the
 // results do not depend on the instructions the compiler picks.
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -19,6 +20,63 @@ A dot8(Row&& row_at, const A* b, int64_t n) {
     for (int l = 0; l < 8; ++l) s[l] += row_at(j + l) * b[j + l];
   for (int l = 0; j < n; ++j, ++l) s[l] += row_at(j) * b[j];
   return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+}
+
+// One row of step 3 for float32: m = g (+ e_in, stored to e), and pr[k] = m . q_k for the K
+// columns q_k = q + k * cols, in one sweep. The scalar path's order: eight partial sums per
+// column, lane l adding the products of j = l mod 8 in order. The K sums are independent, so
+// the products hide in the time the row takes to arrive from memory: done after the row, one
+// column at a time, each sum a chain of dependent adds, they made the pass 1.4x slower.
+template <int K>
+__attribute__((target("avx2"))) void project_row_f32_avx2(const float* g, const float* e_in,
+                                                          float* e, const float* q,
+                                                          int64_t cols, float* pr) {
+  __m256 acc[K];
+  for (int k = 0; k < K; ++k) acc[k] = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 8 <= cols; j += 8) {
+    __m256 m = _mm256_loadu_ps(g + j);
+    if (e_in) {
+      m = _mm256_add_ps(m, _mm256_loadu_ps(e_in + j));
+      _mm256_storeu_ps(e + j, m);
+    }
+    for (int k = 0; k < K; ++k)
+      acc[k] = _mm256_add_ps(acc[k], _mm256_mul_ps(m, _mm256_loadu_ps(q + k * cols + j)));
+  }
+  float s[K][8];
+  for (int k = 0; k < K; ++k) _mm256_storeu_ps(s[k], acc[k]);
+  for (int l = 0; j < cols; ++j, ++l) {
+    float m = g[j];
+    if (e_in) e[j] = m = m + e_in[j];
+    for (int k = 0; k < K; ++k) s[k][l] += m * q[k * cols + j];
+  }
+  for (int k = 0; k < K; ++k)
+    pr[k] = ((s[k][0] + s[k][1]) + (s[k][2] + s[k][3])) +
+            ((s[k][4] + s[k][5]) + (s[k][6] + s[k][7]));
+}
+
+// Columns four at a time; the first group also forms M (into e with error feedback), the
+// others read it back from e while the row is still in cache.
+__attribute__((target("avx2"))) void project_f32_avx2(const float* g, const float* e_in, float* e,
+                                                      bool ef, int64_t rows, int64_t cols,
+                                                      const float* q, int64_t r, float* p) {
+  for (int64_t i = 0; i < rows; ++i) {
+    const float* gr = g + i * cols;
+    const float* eir = ef ? e_in + i * cols : nullptr;
+    float* er = ef ? e + i * cols : nullptr;
+    for (int64_t c = 0; c < r; c += 4) {
+      const float* a = c == 0 || !ef ? gr : er;
+      const float* b = c == 0 ? eir : nullptr;
+      const float* qc = q + c * cols;
+      float* pr = p + i * r + c;
+      switch (std::min<int64_t>(4, r - c)) {
+        case 4: project_row_f32_avx2<4>(a, b, er, qc, cols, pr); break;
+        case 3: project_row_f32_avx2<3>(a, b, er, qc, cols, pr); break;
+        case 2: project_row_f32_avx2<2>(a, b, er, qc, cols, pr); break;
+        default: project_row_f32_avx2<1>(a, b, er, qc, cols, pr); break;
+      }
+    }
+  }
 }
 
 template <class F> void dispatch_factors(DType d, F&& fn) {
@@ -48,6 +106,10 @@ void powersgd_project(DType d, const void* g, const void* e_in, void* e, bool ef
       T* es = static_cast<T*>(e);
       const A* q = static_cast<const A*>(qt);
       A* ps = static_cast<A*>(p);
+      if constexpr (std::is_same_v<T, float>) {
+        if (cpu_has_avx2_f16c())
+          return project_f32_avx2(gs, eis, es, ef, rows, cols, q, r, ps);
+      }
       std::vector<A> m(static_cast<size_t>(cols));
       for (int64_t i = 0; i < rows; ++i) {
         const T* gr = gs + i * cols;
