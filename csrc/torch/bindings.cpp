@@ -385,23 +385,43 @@ void powersgd_back_project(const std::vector<at::Tensor>& ms, const at::Tensor& 
                                 qt.select(0, b).data_ptr());
 }
 
-void powersgd_reconstruct(const at::Tensor& p, const at::Tensor& qt, std::vector<at::Tensor>& outs,
-                          double alpha, bool subtract) {
+// With check_finite (CPU), whether every output element is finite: each block of rows is
+// checked right after it is written, while it is in cache, instead of in another pass over the
+// gradient after the step's reduction.
+bool powersgd_reconstruct(const at::Tensor& p, const at::Tensor& qt, std::vector<at::Tensor>& outs,
+                          double alpha, bool subtract, bool check_finite) {
   const Where w = check_batch(outs, p, qt);
   HVDC_GUARD(w);
   const auto d = dtype_of(outs[0], "output");
   const int64_t rows = outs[0].size(0), cols = outs[0].size(1), r = p.size(2);
 #ifdef HVDC_WITH_CUDA
   if (w.cuda) {
+    if (check_finite)
+      throw hvdc::KernelError("check_finite is for CPU tensors: on CUDA, all_finite checks the "
+                              "outputs with one wait per step");
     const auto o = data_ptrs<void*>(outs);
-    return hvdc::gpu::powersgd_reconstruct(d, p.data_ptr(), qt.data_ptr(),
-                                           static_cast<int64_t>(outs.size()), rows, cols, r,
-                                           o.data(), alpha, subtract, w.stream);
+    hvdc::gpu::powersgd_reconstruct(d, p.data_ptr(), qt.data_ptr(),
+                                    static_cast<int64_t>(outs.size()), rows, cols, r, o.data(),
+                                    alpha, subtract, w.stream);
+    return true;
   }
 #endif
-  for (size_t b = 0; b < outs.size(); ++b)
-    hvdc::powersgd_reconstruct(d, p.select(0, b).data_ptr(), qt.select(0, b).data_ptr(), rows, cols,
-                               r, outs[b].data_ptr(), alpha, subtract);
+  const int64_t row_bytes = cols * outs[0].element_size();
+  const int64_t block =
+      check_finite ? std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(1, row_bytes)) : rows;
+  bool finite = true;
+  for (size_t b = 0; b < outs.size(); ++b) {
+    const char* pb = static_cast<const char*>(p.select(0, b).data_ptr());
+    char* ob = static_cast<char*>(outs[b].data_ptr());
+    for (int64_t i = 0; i < rows; i += block) {
+      const int64_t n = std::min(block, rows - i);
+      char* o = ob + i * row_bytes;
+      hvdc::powersgd_reconstruct(d, pb + i * r * p.element_size(), qt.select(0, b).data_ptr(), n,
+                                 cols, r, o, alpha, subtract);
+      if (check_finite && finite) finite = hvdc::all_finite(d, o, n * cols);
+    }
+  }
+  return finite;
 }
 
 float* carry_of(int64_t codec, at::Tensor& carry, const Where& w) {
@@ -647,7 +667,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("powersgd_initial_q", &powersgd_initial_q, G());
   m.def("powersgd_orthogonalize", &powersgd_orthogonalize, G());
   m.def("powersgd_back_project", &powersgd_back_project, G());
-  m.def("powersgd_reconstruct", &powersgd_reconstruct, G());
+  m.def("powersgd_reconstruct", &powersgd_reconstruct, G(), py::arg("p"), py::arg("qt"),
+        py::arg("outs"), py::arg("alpha"), py::arg("subtract"), py::arg("check_finite") = false);
   m.def("encoded_bytes", &encoded_bytes, G());
   m.def("encode_with_state", &encode_with_state, G());
   m.def("state_count", [](int64_t c) { return hvdc::state_count(static_cast<hvdc::CodecId>(c)); });

@@ -40,7 +40,7 @@ from ..state import StateStore
 from ..stats import CompressionStats
 from . import _C
 from .codec import DTYPE_NAMES, TorchAdapter, TorchCodec
-from .powersgd import PowerSGDReduction
+from .powersgd import PowerSGDMember, PowerSGDReduction
 from .waiting import wait, waiter
 from . import elastic
 from ..compressor import CompressorBase
@@ -311,6 +311,7 @@ class _CompressedReduction:
                 if hasattr(plan, "prepare") and id(plan) not in moved:
                     moved.add(id(plan))
                     plan.prepare()
+        checked = [(p, h) for p, (h, _) in self._handles.items() if isinstance(h, PowerSGDMember)]
         everything = self._requires_update
         self._requires_update = everything - nowhere
         try:
@@ -321,7 +322,7 @@ class _CompressedReduction:
         if self._hvdc_powersgd is not None:
             self._hvdc_powersgd.end_step()
         store = self._hvdc_store
-        finite = not store.touched() or self._hvdc_finite()
+        finite = not store.touched() or self._hvdc_finite(checked)
         self._hvdc_filling, self._hvdc_flights = {}, {}
         if not finite:
             store.rollback()
@@ -366,12 +367,17 @@ class _CompressedReduction:
             self._hvdc_powersgd.world = world
         return True
 
-    def _hvdc_finite(self) -> bool:
+    def _hvdc_finite(self, powersgd_members) -> bool:
+        # PowerSGD checked its results as it wrote them (on the CPU): those are not read again.
+        known = {p: h.finite for p, h in powersgd_members if h.finite is not None}
+        if not all(known.values()):
+            return False
         # A bucketed gradient is a view of its bucket's reduced tensor: one check per bucket.
         reduced = [plan() for plan, _ in self._hvdc_flights.values()]
         reduced += [g._values() if g.is_sparse else g
                     for g in (p.grad for p in self._requires_update
-                              if p not in self._hvdc_pieces or not self._hvdc_flights)
+                              if p not in known
+                              and (p not in self._hvdc_pieces or not self._hvdc_flights))
                     if g is not None]
         return _C.all_finite(reduced)
 

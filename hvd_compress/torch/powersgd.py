@@ -19,7 +19,8 @@ Per parameter, viewing its gradient G as a matrix M (rows = first dimension):
     7. Allreduce Q, asynchronously, with its group's.
     Then per parameter:
     8. Q = Q_sum / world (op=Average), kept for the next step's warm start.
-    9. G = P Q^T.
+    9. G = P Q^T; on the CPU, whether G is finite (the optimizer's check that the step is kept)
+       is found as it is written.
 
 Steps 2, 3, 5, 6 and 9 are kernels from csrc/cpu/powersgd.cc; P and Q are float32 (float64
 for float64 gradients). State (E, Q, step counters) lives in the optimizer's StateStore and is
@@ -102,7 +103,7 @@ class PowerSGDReduction:
             return None
         return step
 
-    def start(self, name: str, grad: torch.Tensor, step: int) -> "_Member":
+    def start(self, name: str, grad: torch.Tensor, step: int) -> "PowerSGDMember":
         names = self._batches.get(name)
         key = tuple(names) if names else (name,)
         batch = self._open.get(key)
@@ -202,13 +203,14 @@ class _Batch:
         self.red, self.key = red, key
         self.arrived: dict[str, tuple[torch.Tensor, int]] = {}
         self.issued = False
+        self.finite: bool | None = None
         self.group: _Group
 
     @property
     def full(self) -> bool:
         return len(self.arrived) == len(self.key)
 
-    def add(self, name: str, grad: torch.Tensor, step: int) -> "_Member":
+    def add(self, name: str, grad: torch.Tensor, step: int) -> "PowerSGDMember":
         if self.arrived:
             g0 = next(iter(self.arrived.values()))[0]
             if grad.shape != g0.shape or grad.dtype != g0.dtype:
@@ -217,7 +219,7 @@ class _Batch:
                                    f"{tuple(g0.shape)} {g0.dtype}; the parameter changed shape "
                                    f"or dtype after the optimizer was built")
         self.arrived[name] = (grad, step)
-        return _Member(self, name)
+        return PowerSGDMember(self, name)
 
     def issue(self) -> None:
         """Steps 2-3."""
@@ -274,10 +276,15 @@ class _Batch:
             mine.copy_(qi)
         rows = self.p.shape[1]
         self.outs = [g if g.is_contiguous() else torch.empty_like(g) for g in self.grads]
-        _C.powersgd_reconstruct(self.p, q, [o.view(rows, -1) for o in self.outs], 1.0, False)
+        # On the CPU the step's finiteness check is done here, on each block of G as it is
+        # written, rather than in another pass over the gradients after the reduction.
+        on_cpu = q.device.type == "cpu"
+        finite = _C.powersgd_reconstruct(self.p, q, [o.view(rows, -1) for o in self.outs], 1.0,
+                                         False, check_finite=on_cpu)
+        self.finite = finite if on_cpu else None
 
 
-class _Member:
+class PowerSGDMember:
     """One parameter's handle into its batch; Horovod's synchronize() calls it for the result."""
 
     def __init__(self, batch: _Batch, name: str):
@@ -294,3 +301,8 @@ class _Member:
     def __call__(self) -> torch.Tensor:
         self.batch.group.finish()
         return self.batch.outs[self.batch.names.index(self.name)]
+
+    @property
+    def finite(self) -> bool | None:
+        """Once called: whether its batch's results are all finite; None if not checked (CUDA)."""
+        return self.batch.finite

@@ -726,6 +726,30 @@ def test_powersgd_residual_alternates_buffers_and_a_skipped_step_puts_the_old_on
         held = moved
 
 
+@pytest.mark.parametrize("bad", ["p0", "p1"])
+def test_powersgd_step_with_a_non_finite_gradient_is_rolled_back_wherever_it_is(bad):
+    """PowerSGD checks the matrices it reconstructs as it writes them; the gradients it does not
+    compress (here a 1-D one) are still checked after the reduction: a NaN in either rolls the
+    step's state back."""
+    params, opt = powersgd_optimizer("powersgd,rank=2,start_iter=0", [(30, 20), (7,)])
+    store = opt._hvdc_store
+    rng = np.random.default_rng(5)
+
+    def grads():
+        return [[rng.standard_normal(s).astype(np.float32) for _ in range(WORLD)]
+                for s in ((30, 20), (7,))]
+
+    for _ in range(2):
+        powersgd_step(params, opt, grads())
+    held, before = store.peek("p0", "ef"), opt.compression_state_dict()
+    g = grads()
+    g[int(bad[1])][WORLD - 1].flat[3] = np.nan
+    out = powersgd_step(params, opt, g)
+    assert not torch.isfinite(out[int(bad[1])]).all()
+    assert store.peek("p0", "ef") is held
+    assert_same_state(opt.compression_state_dict(), before)
+
+
 # ---- a skipped step leaves no trace in the compression state --------------------------------
 # Every codec that keeps state (residuals, momentum, DGC's velocity, PowerSGD's Q and error,
 # step counters that seed draws), and collective=allreduce where the compressed allreduce's

@@ -624,6 +624,31 @@ def test_powersgd_passes_match_numpy_bit_for_bit(rows, cols, r, dtype):
         assert same_bits(t2n(out), want), f"reconstruct, subtract={subtract}"
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bad_row", [None, 0, 4, 5, 23, 39])
+def test_powersgd_reconstruct_reports_whether_what_it_wrote_is_finite(dtype, bad_row):
+    """check_finite: the same bits as the unchecked call, and True exactly when every output
+    element is finite in the output's dtype, whichever block of rows (64 KiB of output at a
+    time: 2, 5 or 10 rows here) holds the non-finite one. Rows of 1e3 factors overflow float16
+    but not the other dtypes; a NaN factor row is non-finite everywhere."""
+    ftype = torch.float64 if dtype == "float64" else torch.float32
+    rows, cols, r = 40, 3000, 3
+    gen = torch.Generator().manual_seed(5)
+    p = torch.randn(2, rows, r, dtype=ftype, generator=gen)
+    qt = torch.randn(2, r, cols, dtype=ftype, generator=gen)
+    if bad_row is not None:
+        p[1, bad_row] = float("nan") if bad_row % 2 else 1e3
+        qt[1, :, bad_row * 7] = 1e3
+    for alpha, subtract in ((0.5, False), (1.0, True)):
+        base = random_grad(2 * rows * cols, dtype, seed=3).view(2, rows, cols)
+        plain, checked = base.clone(), base.clone()
+        assert _C.powersgd_reconstruct(p, qt, list(plain), alpha, subtract)
+        finite = _C.powersgd_reconstruct(p, qt, list(checked), alpha, subtract, check_finite=True)
+        assert torch.equal(checked.view(-1).view(torch.uint8), plain.view(-1).view(torch.uint8))
+        assert finite == numpy_all_finite(checked), (alpha, subtract)
+        assert finite == (bad_row is None or (bad_row % 2 == 0 and dtype != "float16"))
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float64", "bfloat16"])
 def test_powersgd_project_with_es_in_writes_the_new_residual_and_keeps_the_old(dtype):
     """With es_in, M = g + e_in goes into e and e_in is left as it was (a step's backup with no
