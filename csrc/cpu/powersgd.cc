@@ -30,7 +30,7 @@ A dot8(Row&& row_at, const A* b, int64_t n) {
 template <int K>
 __attribute__((target("avx2"))) void project_row_f32_avx2(const float* g, const float* e_in,
                                                           float* e, const float* q,
-                                                          int64_t cols, float* pr) {
+                                                          int64_t cols, float* pr, bool stream) {
   __m256 acc[K];
   for (int k = 0; k < K; ++k) acc[k] = _mm256_setzero_ps();
   int64_t j = 0;
@@ -38,7 +38,8 @@ __attribute__((target("avx2"))) void project_row_f32_avx2(const float* g, const 
     __m256 m = _mm256_loadu_ps(g + j);
     if (e_in) {
       m = _mm256_add_ps(m, _mm256_loadu_ps(e_in + j));
-      _mm256_storeu_ps(e + j, m);
+      if (stream) _mm256_stream_ps(e + j, m);
+      else _mm256_storeu_ps(e + j, m);
     }
     for (int k = 0; k < K; ++k)
       acc[k] = _mm256_add_ps(acc[k], _mm256_mul_ps(m, _mm256_loadu_ps(q + k * cols + j)));
@@ -56,10 +57,15 @@ __attribute__((target("avx2"))) void project_row_f32_avx2(const float* g, const 
 }
 
 // Columns four at a time; the first group also forms M (into e with error feedback), the
-// others read it back from e while the row is still in cache.
+// others read it back from e while the row is still in cache. With four columns or fewer
+// nothing reads M again before the back-projection, after P's allreduce: it goes around the
+// cache (when every row starts 32-byte aligned), saving the read-for-ownership of a buffer
+// that was last touched a step ago.
 __attribute__((target("avx2"))) void project_f32_avx2(const float* g, const float* e_in, float* e,
                                                       bool ef, int64_t rows, int64_t cols,
                                                       const float* q, int64_t r, float* p) {
+  const bool stream =
+      ef && r <= 4 && cols % 8 == 0 && (reinterpret_cast<uintptr_t>(e) & 31) == 0;
   for (int64_t i = 0; i < rows; ++i) {
     const float* gr = g + i * cols;
     const float* eir = ef ? e_in + i * cols : nullptr;
@@ -70,13 +76,73 @@ __attribute__((target("avx2"))) void project_f32_avx2(const float* g, const floa
       const float* qc = q + c * cols;
       float* pr = p + i * r + c;
       switch (std::min<int64_t>(4, r - c)) {
-        case 4: project_row_f32_avx2<4>(a, b, er, qc, cols, pr); break;
-        case 3: project_row_f32_avx2<3>(a, b, er, qc, cols, pr); break;
-        case 2: project_row_f32_avx2<2>(a, b, er, qc, cols, pr); break;
-        default: project_row_f32_avx2<1>(a, b, er, qc, cols, pr); break;
+        case 4: project_row_f32_avx2<4>(a, b, er, qc, cols, pr, stream); break;
+        case 3: project_row_f32_avx2<3>(a, b, er, qc, cols, pr, stream); break;
+        case 2: project_row_f32_avx2<2>(a, b, er, qc, cols, pr, stream); break;
+        default: project_row_f32_avx2<1>(a, b, er, qc, cols, pr, stream); break;
       }
     }
   }
+  if (stream) _mm_sfence();
+}
+
+// o[0, 8) = alpha * acc or o - acc, noting in `bad` the lanes that are inf or NaN.
+__attribute__((target("avx2"), always_inline)) inline void put_f32_avx2(
+    float* o, __m256 acc, __m256 alpha, bool subtract, bool stream, __m256i& bad) {
+  const __m256 v = subtract ? _mm256_sub_ps(_mm256_loadu_ps(o), acc) : _mm256_mul_ps(alpha, acc);
+  const __m256i exponent = _mm256_set1_epi32(0x7f800000);
+  const __m256i e = _mm256_and_si256(_mm256_castps_si256(v), exponent);
+  bad = _mm256_or_si256(bad, _mm256_cmpeq_epi32(e, exponent));
+  if (stream) _mm256_stream_ps(o, v);
+  else _mm256_storeu_ps(o, v);
+}
+
+// Step 9 (and the residual of step 6) for float32: out = alpha * P Q^T, or out - P Q^T, 64
+// columns of a row at a time in registers, each sum adding the r products in order from 0 as
+// the scalar path does. Outputs that are only written go around the cache when every row
+// starts 32-byte aligned: nothing reads them before the optimizer's update, long after, and
+// the read-for-ownership would double their traffic. With `finite`, whether every value
+// written is finite, checked in registers on its way out.
+__attribute__((target("avx2"))) void reconstruct_f32_avx2(const float* p, const float* q,
+                                                          int64_t rows, int64_t cols, int64_t r,
+                                                          float* out, float alpha, bool subtract,
+                                                          bool* finite) {
+  const bool stream =
+      !subtract && cols % 8 == 0 && (reinterpret_cast<uintptr_t>(out) & 31) == 0;
+  const __m256 a = _mm256_set1_ps(alpha);
+  __m256i bad = _mm256_setzero_si256();
+  bool tail_finite = true;
+  for (int64_t i = 0; i < rows; ++i) {
+    const float* pr = p + i * r;
+    float* orow = out + i * cols;
+    int64_t j = 0;
+    for (; j + 64 <= cols; j += 64) {
+      __m256 acc[8];
+      for (int u = 0; u < 8; ++u) acc[u] = _mm256_setzero_ps();
+      for (int64_t c = 0; c < r; ++c) {
+        const __m256 pc = _mm256_set1_ps(pr[c]);
+        const float* qc = q + c * cols + j;
+        for (int u = 0; u < 8; ++u)
+          acc[u] = _mm256_add_ps(acc[u], _mm256_mul_ps(pc, _mm256_loadu_ps(qc + 8 * u)));
+      }
+      for (int u = 0; u < 8; ++u) put_f32_avx2(orow + j + 8 * u, acc[u], a, subtract, stream, bad);
+    }
+    for (; j + 8 <= cols; j += 8) {
+      __m256 acc = _mm256_setzero_ps();
+      for (int64_t c = 0; c < r; ++c)
+        acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_set1_ps(pr[c]),
+                                               _mm256_loadu_ps(q + c * cols + j)));
+      put_f32_avx2(orow + j, acc, a, subtract, stream, bad);
+    }
+    for (; j < cols; ++j) {
+      float acc = 0.0f;
+      for (int64_t c = 0; c < r; ++c) acc += pr[c] * q[c * cols + j];
+      orow[j] = subtract ? orow[j] - acc : alpha * acc;
+      tail_finite = tail_finite && std::isfinite(orow[j]);
+    }
+  }
+  if (stream) _mm_sfence();
+  if (finite) *finite = tail_finite && _mm256_testz_si256(bad, bad);
 }
 
 template <class F> void dispatch_factors(DType d, F&& fn) {
@@ -205,7 +271,8 @@ void powersgd_back_project(DType d, const void* mat, int64_t rows, int64_t cols,
 }
 
 void powersgd_reconstruct(DType d, const void* p, const void* qt, int64_t rows, int64_t cols,
-                          int64_t r, void* out, double alpha, bool subtract_from_out) {
+                          int64_t r, void* out, double alpha, bool subtract_from_out,
+                          bool* finite) {
   check_shape(rows, cols, r);
   with_avx2([&] {
     dispatch_factors(d, [&](auto* ttag, auto* atag) {
@@ -214,6 +281,11 @@ void powersgd_reconstruct(DType d, const void* p, const void* qt, int64_t rows, 
       const A* ps = static_cast<const A*>(p);
       const A* q = static_cast<const A*>(qt);
       T* o = static_cast<T*>(out);
+      if constexpr (std::is_same_v<T, float>) {
+        if (cpu_has_avx2_f16c())
+          return reconstruct_f32_avx2(ps, q, rows, cols, r, o, static_cast<float>(alpha),
+                                      subtract_from_out, finite);
+      }
       const A a = static_cast<A>(alpha);
       // A block of a row's sums stays in registers across the r factor columns, so each
       // output element is read and written once; each sum adds the columns in order from 0.
@@ -234,12 +306,16 @@ void powersgd_reconstruct(DType d, const void* p, const void* qt, int64_t rows, 
         else
           for (int64_t jj = 0; jj < w; ++jj) orow[jj] = from_acc<T>(a * acc[jj]);
       };
+      bool all = true;
       for (int64_t i = 0; i < rows; ++i) {
         int64_t j0 = 0;
         for (; j0 + kBlock <= cols; j0 += kBlock)
           block(i, j0, std::integral_constant<int64_t, kBlock>{});
         if (j0 < cols) block(i, j0, std::integral_constant<int64_t, 0>{});
+        // The row is still in L1: checking it now costs no pass over memory.
+        if (finite && all) all = all_finite(d, o + i * cols, cols);
       }
+      if (finite) *finite = all;
     });
   });
 }

@@ -385,9 +385,8 @@ void powersgd_back_project(const std::vector<at::Tensor>& ms, const at::Tensor& 
                                 qt.select(0, b).data_ptr());
 }
 
-// With check_finite (CPU), whether every output element is finite: each block of rows is
-// checked right after it is written, while it is in cache, instead of in another pass over the
-// gradient after the step's reduction.
+// With check_finite (CPU), whether every output element is finite, found as it is written
+// rather than in another pass over the gradient after the step's reduction.
 bool powersgd_reconstruct(const at::Tensor& p, const at::Tensor& qt, std::vector<at::Tensor>& outs,
                           double alpha, bool subtract, bool check_finite) {
   const Where w = check_batch(outs, p, qt);
@@ -406,22 +405,15 @@ bool powersgd_reconstruct(const at::Tensor& p, const at::Tensor& qt, std::vector
     return true;
   }
 #endif
-  const int64_t row_bytes = cols * outs[0].element_size();
-  const int64_t block =
-      check_finite ? std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(1, row_bytes)) : rows;
-  bool finite = true;
+  bool all = true;
   for (size_t b = 0; b < outs.size(); ++b) {
-    const char* pb = static_cast<const char*>(p.select(0, b).data_ptr());
-    char* ob = static_cast<char*>(outs[b].data_ptr());
-    for (int64_t i = 0; i < rows; i += block) {
-      const int64_t n = std::min(block, rows - i);
-      char* o = ob + i * row_bytes;
-      hvdc::powersgd_reconstruct(d, pb + i * r * p.element_size(), qt.select(0, b).data_ptr(), n,
-                                 cols, r, o, alpha, subtract);
-      if (check_finite && finite) finite = hvdc::all_finite(d, o, n * cols);
-    }
+    bool finite = true;
+    hvdc::powersgd_reconstruct(d, p.select(0, b).data_ptr(), qt.select(0, b).data_ptr(), rows, cols,
+                               r, outs[b].data_ptr(), alpha, subtract,
+                               check_finite ? &finite : nullptr);
+    all = all && finite;
   }
-  return finite;
+  return all;
 }
 
 float* carry_of(int64_t codec, at::Tensor& carry, const Where& w) {

@@ -625,20 +625,24 @@ def test_powersgd_passes_match_numpy_bit_for_bit(rows, cols, r, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("bad_row", [None, 0, 4, 5, 23, 39])
-def test_powersgd_reconstruct_reports_whether_what_it_wrote_is_finite(dtype, bad_row):
+@pytest.mark.parametrize("cols", [3000, 3003])
+@pytest.mark.parametrize("bad", [None, 0, 4, 5, 23, 39, "last column"])
+def test_powersgd_reconstruct_reports_whether_what_it_wrote_is_finite(dtype, cols, bad):
     """check_finite: the same bits as the unchecked call, and True exactly when every output
-    element is finite in the output's dtype, whichever block of rows (64 KiB of output at a
-    time: 2, 5 or 10 rows here) holds the non-finite one. Rows of 1e3 factors overflow float16
-    but not the other dtypes; a NaN factor row is non-finite everywhere."""
+    element is finite in the output's dtype, whichever row holds the non-finite one (first,
+    last, middle) or when only the last column does (past the vector loop at 3003 columns;
+    float32 outputs are checked in registers, the others row by row). Rows of 1e3 factors
+    overflow float16 but not the other dtypes; NaN and inf factors are non-finite everywhere."""
     ftype = torch.float64 if dtype == "float64" else torch.float32
-    rows, cols, r = 40, 3000, 3
+    rows, r = 40, 3
     gen = torch.Generator().manual_seed(5)
     p = torch.randn(2, rows, r, dtype=ftype, generator=gen)
     qt = torch.randn(2, r, cols, dtype=ftype, generator=gen)
-    if bad_row is not None:
-        p[1, bad_row] = float("nan") if bad_row % 2 else 1e3
-        qt[1, :, bad_row * 7] = 1e3
+    if bad == "last column":
+        qt[1, :, -1] = float("inf")
+    elif bad is not None:
+        p[1, bad] = float("nan") if bad % 2 else 1e3
+        qt[1, :, bad * 7] = 1e3
     for alpha, subtract in ((0.5, False), (1.0, True)):
         base = random_grad(2 * rows * cols, dtype, seed=3).view(2, rows, cols)
         plain, checked = base.clone(), base.clone()
@@ -646,7 +650,8 @@ def test_powersgd_reconstruct_reports_whether_what_it_wrote_is_finite(dtype, bad
         finite = _C.powersgd_reconstruct(p, qt, list(checked), alpha, subtract, check_finite=True)
         assert torch.equal(checked.view(-1).view(torch.uint8), plain.view(-1).view(torch.uint8))
         assert finite == numpy_all_finite(checked), (alpha, subtract)
-        assert finite == (bad_row is None or (bad_row % 2 == 0 and dtype != "float16"))
+        assert finite == (bad is None or (bad != "last column" and bad % 2 == 0
+                                          and dtype != "float16"))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64", "bfloat16"])

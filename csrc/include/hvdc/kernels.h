@@ -132,9 +132,12 @@ void powersgd_orthogonalize(DType dtype, void* p, int64_t rows, int64_t r, doubl
 // Qt = (M^T P)^T.
 void powersgd_back_project(DType dtype, const void* m, int64_t rows, int64_t cols, const void* p,
                            int64_t r, void* qt);
-// out = alpha * P Q^T, or out = out - P Q^T (the local residual) when subtract_from_out.
+// out = alpha * P Q^T, or out = out - P Q^T (the local residual) when subtract_from_out. With
+// `finite`, *finite = whether every element written is finite (in the output's dtype), found
+// as it is written rather than in another pass.
 void powersgd_reconstruct(DType dtype, const void* p, const void* qt, int64_t rows, int64_t cols,
-                          int64_t r, void* out, double alpha, bool subtract_from_out);
+                          int64_t r, void* out, double alpha, bool subtract_from_out,
+                          bool* finite = nullptr);
 
 // Homomorphic quantisation (THC, Li et al., NSDI 2024; csrc/cpu/homomorphic.cc). Every rank
 // quantises with the same per-block scales, so the codes of all ranks can be summed by Horovod's
