@@ -86,6 +86,43 @@ __attribute__((target("avx2"))) void project_f32_avx2(const float* g, const floa
   if (stream) _mm_sfence();
 }
 
+// Step 6's Qt += (rows i0..i0+K of M)^T P for float32: eight columns of the K rows are loaded
+// once and added into every column of Q, rows in order as the scalar path adds them (a sum
+// kept in a register or stored and loaded again between rows rounds alike). The scalar
+// path's order, column of Q by column, reads the block of M r times.
+template <int K>
+__attribute__((target("avx2"))) void back_project_rows_f32_avx2(const float* m, int64_t cols,
+                                                                const float* p, int64_t r,
+                                                                float* q) {
+  int64_t j = 0;
+  for (; j + 8 <= cols; j += 8) {
+    __m256 mv[K];
+    for (int k = 0; k < K; ++k) mv[k] = _mm256_loadu_ps(m + k * cols + j);
+    for (int64_t c = 0; c < r; ++c) {
+      float* qc = q + c * cols + j;
+      __m256 v = _mm256_loadu_ps(qc);
+      for (int k = 0; k < K; ++k)
+        v = _mm256_add_ps(v, _mm256_mul_ps(mv[k], _mm256_set1_ps(p[k * r + c])));
+      _mm256_storeu_ps(qc, v);
+    }
+  }
+  for (; j < cols; ++j)
+    for (int64_t c = 0; c < r; ++c) {
+      float v = q[c * cols + j];
+      for (int k = 0; k < K; ++k) v += m[k * cols + j] * p[k * r + c];
+      q[c * cols + j] = v;
+    }
+}
+
+__attribute__((target("avx2"))) void back_project_f32_avx2(const float* m, int64_t rows,
+                                                           int64_t cols, const float* p,
+                                                           int64_t r, float* q) {
+  std::fill(q, q + r * cols, 0.0f);
+  int64_t i = 0;
+  for (; i + 8 <= rows; i += 8) back_project_rows_f32_avx2<8>(m + i * cols, cols, p + i * r, r, q);
+  for (; i < rows; ++i) back_project_rows_f32_avx2<1>(m + i * cols, cols, p + i * r, r, q);
+}
+
 // o[0, 8) = alpha * acc or o - acc, noting in `bad` the lanes that are inf or NaN.
 __attribute__((target("avx2"), always_inline)) inline void put_f32_avx2(
     float* o, __m256 acc, __m256 alpha, bool subtract, bool stream, __m256i& bad) {
@@ -245,6 +282,9 @@ void powersgd_back_project(DType d, const void* mat, int64_t rows, int64_t cols,
       const T* ms = static_cast<const T*>(mat);
       const A* ps = static_cast<const A*>(p);
       A* q = static_cast<A*>(qt);
+      if constexpr (std::is_same_v<T, float>) {
+        if (cpu_has_avx2_f16c()) return back_project_f32_avx2(ms, rows, cols, ps, r, q);
+      }
       std::fill(q, q + r * cols, A(0));
       // kRows rows at a time: each element of Q is loaded and stored once per block rather
       // than once per row, and still adds the rows in order.
