@@ -70,6 +70,7 @@ class PowerSGDReduction:
         self._groups: dict[str, list[str]] = {}   # name -> its group's names, if more than one
         self._open: dict[tuple[str, ...], _Batch] = {}
         self._open_groups: dict[tuple[str, ...], _Group] = {}
+        self._step_groups: list[_Group] = []  # every group since the last end_step
 
     def plan(self, named_tensors, bucket_bytes: int = 0) -> None:
         """named_tensors in the order backward is expected to produce them. With bucket_bytes,
@@ -115,6 +116,8 @@ class PowerSGDReduction:
             if len(key) > 1 and not late:
                 self._open[key] = batch
             batch.group = self._group_for(name, batch, late)
+            if not batch.group.batches:
+                self._step_groups.append(batch.group)
             batch.group.batches.append(batch)
         member = batch.add(name, grad, step)
         if batch.full:
@@ -135,6 +138,13 @@ class PowerSGDReduction:
         return group
 
     def end_step(self) -> None:
+        """After every member's result was taken. A group and its batches refer to each other:
+        left to the cycle collector, which runs by object counts, the step's gradients (the
+        batches hold them) outlived it, the process grew by their size every step until a
+        collection, and each step's new gradients fell on fresh pages."""
+        for group in self._step_groups:
+            group.batches = []
+        self._step_groups = []
         self._open.clear()
         self._open_groups.clear()
 

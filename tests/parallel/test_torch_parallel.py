@@ -7,7 +7,9 @@ collective delivered.
 from __future__ import annotations
 
 import copy
+import gc
 import warnings
+import weakref
 
 import horovod.torch as hvd
 import numpy as np
@@ -724,6 +726,29 @@ def test_powersgd_residual_alternates_buffers_and_a_skipped_step_puts_the_old_on
         moved = store.peek("p0", "ef")
         assert moved.data_ptr() != held.data_ptr()
         held = moved
+
+
+@pytest.mark.parametrize("bucket_mb", [0, 1])
+def test_powersgd_lets_a_steps_gradients_go_when_the_user_does(bucket_mb):
+    """Once zero_grad() drops them, a step's gradients are freed at once (reference counts,
+    with the cycle collector off): PowerSGD's batches, which hold them, do not outlive the step.
+    Before, a group and its batches referred to each other and kept every step's gradients
+    until a collection."""
+    params, opt = powersgd_optimizer("powersgd,rank=2,start_iter=0", [(30, 20), (40, 20)],
+                                     bucket_mb=bucket_mb)
+    rng = np.random.default_rng(6)
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(3):
+            g = [[rng.standard_normal(s).astype(np.float32) for _ in range(WORLD)]
+                 for s in ((30, 20), (40, 20))]
+            powersgd_step(params, opt, g)
+            grads = [weakref.ref(p.grad) for _, p in params]
+            opt.zero_grad()
+            assert all(r() is None for r in grads)
+    finally:
+        gc.enable()
 
 
 @pytest.mark.parametrize("bad", ["p0", "p1"])
