@@ -46,6 +46,18 @@ inline bool stream_to(const void* y, int64_t bytes) {
   return bytes >= kStreamingBytes && (reinterpret_cast<uintptr_t>(y) & 31) == 0;
 }
 
+// dst[0, bytes) = src[0, bytes), each whole 32 bytes by a non-temporal store (dst aligned to 32).
+__attribute__((target("avx2"))) inline void stream_copy_avx2(void* dst, const void* src,
+                                                            int64_t bytes) {
+  auto* d = static_cast<char*>(dst);
+  const auto* s = static_cast<const char*>(src);
+  int64_t i = 0;
+  for (; i + 32 <= bytes; i += 32)
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(d + i),
+                        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i)));
+  std::memcpy(d + i, s + i, static_cast<size_t>(bytes - i));
+}
+
 // aggregate_pair of the quantisers reduces a block of this many codes at a time: the other
 // rank's are taken off the word sum into a buffer (at most 4 KiB) first, then read like a
 // gathered payload's. Reading each SIMD step's straight after computing it stalls on store
@@ -133,7 +145,7 @@ void take_zeros(const std::vector<int32_t>& nonzero, int64_t k, int32_t* idx);
 void decode(DType d, const void* payload, int64_t n, const Params& p, void* out, double alpha,
             bool acc);
 void aggregate(DType d, const void* payloads, int64_t ranks, int64_t stride, int64_t n,
-               const Params& p, void* out, double alpha);
+               const Params& p, void* out, double alpha, bool* finite);
 }  // namespace topk
 namespace randomk {
 void encode(DType d, const void* x, int64_t n, const Params& p, void* payload);
@@ -182,6 +194,19 @@ void decode(DType d, const int32_t* words, int64_t n, int64_t block, const float
             bool acc);
 }  // namespace homo
 namespace sparse {
+// One rank's entries of a sparse payload: count indices, ascending, and their values in the
+// gradient dtype.
+struct Entries {
+  const int32_t* idx;
+  const void* vals;
+  int64_t count;
+};
+// out = the sum over ranks, in rank order and in the accumulator type, of alpha * each rank's
+// entries, zero elsewhere. With `finite`, *finite = whether every element written is finite (in
+// the output's dtype). `what` names the codec in the error for an index outside the tensor or
+// out of order.
+void sum_entries(DType d, const std::vector<Entries>& ranks, int64_t n, void* out, double alpha,
+                 bool* finite, const char* what);
 int64_t threshold_capacity(DType d, int64_t n);
 int64_t threshold_used(DType d, const void* payload);
 void threshold_encode(DType d, const void* x, int64_t n, const Params& p, void* payload);
@@ -189,11 +214,11 @@ void threshold_encode(DType d, const void* x, int64_t n, const Params& p, void* 
 void threshold_ef_accumulate_encode(DType d, const void* x, const void* e_in, void* e, int64_t n,
                                     const Params& p, void* payload);
 void threshold_aggregate(DType d, const void* payloads, int64_t ranks, int64_t total, int64_t n,
-                         void* out, double alpha, bool acc);
+                         void* out, double alpha, bool acc, bool* finite = nullptr);
 int64_t dgc_payload_bytes(DType d, int64_t k);
 void dgc_encode(DType d, const void* x, void* u, void* v, int64_t n, const Params& p, void* payload);
 void dgc_aggregate(DType d, const void* payloads, int64_t ranks, int64_t stride, int64_t n,
-                   const Params& p, void* out, double alpha, bool acc);
+                   const Params& p, void* out, double alpha, bool acc, bool* finite = nullptr);
 }  // namespace sparse
 
 }  // namespace hvdc

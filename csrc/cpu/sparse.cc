@@ -33,7 +33,7 @@ uint32_t read_u32(const void* p, int64_t off) {
   return v;
 }
 
-// out[idx[j]] (+)= alpha * vals[j] for count entries, in the accumulator type.
+// out[idx[j]] += alpha * vals[j] for count entries, in the accumulator type.
 template <class T, class A>
 void scatter(const int32_t* idx, const T* vals, int64_t count, int64_t n, A alpha, A* acc,
              const char* what) {
@@ -46,30 +46,97 @@ void scatter(const int32_t* idx, const T* vals, int64_t count, int64_t n, A alph
   }
 }
 
-// Sum over payloads of alpha * D(payload), each given as (indices, values, count).
+// Sum over payloads of alpha * D(payload), each given as (indices, values, count); with
+// accumulate, added to out.
 template <class F>
 void reduce_sparse(DType d, int64_t n, void* out, double alpha, bool accumulate, int64_t ranks,
-                   F&& entry, const char* what) {
+                   F&& entry, const char* what, bool* finite) {
+  std::vector<Entries> runs(static_cast<size_t>(ranks));
+  for (int64_t r = 0; r < ranks; ++r) entry(r, &runs[r].idx, &runs[r].vals, &runs[r].count);
+  if (!accumulate) return sum_entries(d, runs, n, out, alpha, finite, what);
+  // Adding into a tensor (error feedback's residual): only the entries' elements are touched.
   dispatch_dtype(d, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     using A = typename Acc<T>::type;
     T* o = static_cast<T*>(out);
-    // float32/float64 accumulate in the output itself; narrower dtypes in a float copy.
-    std::vector<A> wide(std::is_same_v<T, A> ? 0 : static_cast<size_t>(n));
-    A* acc = nullptr;
-    if constexpr (std::is_same_v<T, A>) acc = o;
-    else acc = wide.data();
-    for (int64_t i = 0; i < n; ++i) acc[i] = accumulate ? to_acc(o[i]) : A(0);
-    for (int64_t r = 0; r < ranks; ++r) {
-      const int32_t* idx;
-      const void* vals;
-      int64_t count;
-      entry(r, &idx, &vals, &count);
-      scatter(idx, static_cast<const T*>(vals), count, n, static_cast<A>(alpha), acc, what);
+    if constexpr (std::is_same_v<T, A>) {
+      for (const Entries& e : runs)
+        scatter(e.idx, static_cast<const T*>(e.vals), e.count, n, static_cast<A>(alpha), o, what);
+    } else {  // narrower dtypes add in a float copy
+      std::vector<A> wide(static_cast<size_t>(n));
+      for (int64_t i = 0; i < n; ++i) wide[i] = to_acc(o[i]);
+      for (const Entries& e : runs)
+        scatter(e.idx, static_cast<const T*>(e.vals), e.count, n, static_cast<A>(alpha),
+                wide.data(), what);
+      for (int64_t i = 0; i < n; ++i) o[i] = from_acc<T>(wide[i]);
     }
-    if constexpr (!std::is_same_v<T, A>)
-      for (int64_t i = 0; i < n; ++i) o[i] = from_acc<T>(acc[i]);
   });
+  if (finite) *finite = all_finite(d, out, n);
+}
+
+// sum_entries works through the output a block of this many elements at a time, in a buffer
+// that stays in L1: the block is zeroed there, every rank's entries that fall in it are added,
+// it is checked for inf and NaN, and written out once. Zeroing the whole output first and
+// scattering into it after touched each of its cache lines twice, and the step's finiteness
+// check read them all a third time.
+constexpr int64_t kSumBlock = 2048;
+// A sum this large goes out by non-temporal stores: it is a reduced gradient, read next by the
+// optimizer's update after the step's other buckets, and it outgrows a core's L2 (2 MiB on the
+// development VM). 100 4-MiB buckets at 6% density from two ranks: 59 ms with plain stores,
+// 42-47 ms streamed.
+constexpr int64_t kStreamSumBytes = 2 << 20;
+
+template <class T>
+void sum_entries_as(DType d, const std::vector<Entries>& runs, int64_t n, T* o, double alpha,
+                    bool* finite, const char* what) {
+  using A = typename Acc<T>::type;
+  const A a = static_cast<A>(alpha);
+  std::vector<int64_t> next(runs.size(), 0);
+  std::vector<A> acc(kSumBlock);
+  std::vector<T> narrow(std::is_same_v<T, A> ? 0 : kSumBlock);
+  const int64_t bytes = n * static_cast<int64_t>(sizeof(T));
+  const bool stream = cpu_has_avx2_f16c() && bytes >= kStreamSumBytes &&
+                      (reinterpret_cast<uintptr_t>(o) & 31) == 0;
+  bool ok = true;
+  for (int64_t lo = 0; lo < n; lo += kSumBlock) {
+    const int64_t len = std::min(kSumBlock, n - lo);
+    std::fill(acc.begin(), acc.begin() + len, A(0));
+    for (size_t r = 0; r < runs.size(); ++r) {
+      const int32_t* idx = runs[r].idx;
+      const T* vals = static_cast<const T*>(runs[r].vals);
+      int64_t j = next[r];
+      for (; j < runs[r].count && idx[j] < lo + len; ++j) {
+        if (idx[j] < lo) {
+          if (idx[j] < 0)
+            throw KernelError(std::string(what) + " payload index " + std::to_string(idx[j]) +
+                              " outside a tensor of " + std::to_string(n) + " elements");
+          throw KernelError(std::string(what) + " payload indices are not ascending (" +
+                            std::to_string(idx[j - 1]) + " before " + std::to_string(idx[j]) +
+                            "): a corrupt payload");
+        }
+        acc[idx[j] - lo] += a * to_acc(vals[j]);
+      }
+      next[r] = j;
+    }
+    const T* block;
+    if constexpr (std::is_same_v<T, A>) {
+      block = acc.data();
+    } else {
+      for (int64_t i = 0; i < len; ++i) narrow[i] = from_acc<T>(acc[i]);
+      block = narrow.data();
+    }
+    if (finite && ok) ok = all_finite(d, block, len);
+    const int64_t b = len * static_cast<int64_t>(sizeof(T));
+    if (stream) stream_copy_avx2(o + lo, block, b);
+    else std::memcpy(o + lo, block, static_cast<size_t>(b));
+  }
+  if (stream) _mm_sfence();
+  for (size_t r = 0; r < runs.size(); ++r)
+    if (next[r] < runs[r].count)
+      throw KernelError(std::string(what) + " payload index " +
+                        std::to_string(runs[r].idx[next[r]]) + " outside a tensor of " +
+                        std::to_string(n) + " elements");
+  if (finite) *finite = ok;
 }
 
 // DGC's selection samples every dgc_stride(n)-th key of the accumulated velocity (1%).
@@ -172,6 +239,14 @@ __attribute__((target("avx2"))) void dgc_step_f32_avx2(const float* x, float* u,
 
 }  // namespace
 
+void sum_entries(DType d, const std::vector<Entries>& ranks, int64_t n, void* out, double alpha,
+                 bool* finite, const char* what) {
+  dispatch_dtype(d, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    sum_entries_as(d, ranks, n, static_cast<T*>(out), alpha, finite, what);
+  });
+}
+
 int64_t threshold_capacity(DType d, int64_t n) { return kThrHeader + index_bytes(n) + n * dtype_size(d); }
 
 int64_t threshold_used(DType d, const void* payload) {
@@ -227,7 +302,7 @@ void threshold_ef_accumulate_encode(DType d, const void* x, const void* e_in, vo
 }
 
 void threshold_aggregate(DType d, const void* payloads, int64_t ranks, int64_t total, int64_t n,
-                         void* out, double alpha, bool acc) {
+                         void* out, double alpha, bool acc, bool* finite) {
   const auto* base = static_cast<const uint8_t*>(payloads);
   std::vector<int64_t> offsets;
   int64_t off = 0;
@@ -252,7 +327,7 @@ void threshold_aggregate(DType d, const void* payloads, int64_t ranks, int64_t t
     *count = read_u32(h, 4);
     *idx = reinterpret_cast<const int32_t*>(h + kThrHeader);
     *vals = h + kThrHeader + index_bytes(*count);
-  }, "threshold");
+  }, "threshold", finite);
 }
 
 int64_t dgc_payload_bytes(DType d, int64_t k) { return kDgcHeader + index_bytes(k) + k * dtype_size(d); }
@@ -335,7 +410,7 @@ void dgc_encode(DType d, const void* x, void* u, void* v, int64_t n, const Param
 }
 
 void dgc_aggregate(DType d, const void* payloads, int64_t ranks, int64_t stride, int64_t n,
-                   const Params& p, void* out, double alpha, bool acc) {
+                   const Params& p, void* out, double alpha, bool acc, bool* finite) {
   const auto* base = static_cast<const uint8_t*>(payloads);
   for (int64_t r = 0; r < ranks; ++r) {
     const uint8_t* h = base + r * stride;
@@ -350,7 +425,7 @@ void dgc_aggregate(DType d, const void* payloads, int64_t ranks, int64_t stride,
     *count = read_u32(h, 8);
     *idx = reinterpret_cast<const int32_t*>(h + kDgcHeader);
     *vals = h + kDgcHeader + index_bytes(p.k);
-  }, "dgc");
+  }, "dgc", finite);
 }
 
 }  // namespace sparse

@@ -262,26 +262,16 @@ void decode(DType d, const void* payload, int64_t n, const Params& p, void* out,
 }
 
 void aggregate(DType d, const void* payloads, int64_t ranks, int64_t stride, int64_t n,
-               const Params& p, void* out, double alpha) {
+               const Params& p, void* out, double alpha, bool* finite) {
   const auto* base = static_cast<const uint8_t*>(payloads);
+  std::vector<sparse::Entries> runs;
   for (int64_t r = 0; r < ranks; ++r) {
-    check_tag(base + r * stride, kTopK, d, r);
-    check_k(base + r * stride, p.k, r);
+    const uint8_t* payload = base + r * stride;
+    check_tag(payload, kTopK, d, r);
+    check_k(payload, p.k, r);
+    runs.push_back({indices_of(payload), payload + kHeader + index_bytes(p.k), p.k});
   }
-  dispatch_dtype(d, [&](auto* tag) {
-    using T = std::remove_pointer_t<decltype(tag)>;
-    using A = typename Acc<T>::type;
-    T* o = static_cast<T*>(out);
-    if constexpr (std::is_same_v<T, A>) {
-      std::fill(o, o + n, A(0));
-      for (int64_t r = 0; r < ranks; ++r) scatter<T, A>(base + r * stride, n, p.k, alpha, o);
-    } else {
-      std::vector<A> accum(static_cast<size_t>(n), A(0));
-      for (int64_t r = 0; r < ranks; ++r)
-        scatter<T, A>(base + r * stride, n, p.k, alpha, accum.data());
-      for (int64_t i = 0; i < n; ++i) o[i] = from_acc<T>(accum[i]);
-    }
-  });
+  sparse::sum_entries(d, runs, n, out, alpha, finite, "topk");
 }
 
 }  // namespace topk

@@ -150,19 +150,34 @@ void decode(int64_t codec, const at::Tensor& payload, at::Tensor& out, const hvd
   hvdc::decode(c, d, payload.data_ptr(), out.numel(), p, out.data_ptr(), alpha, accumulate);
 }
 
-void run_aggregate(const Where& w, hvdc::CodecId c, hvdc::DType d, const at::Tensor& gathered,
-                   int64_t ranks, int64_t stride, at::Tensor& out, const hvdc::Params& p,
-                   double alpha) {
-#ifdef HVDC_WITH_CUDA
-  if (w.cuda)
-    return hvdc::gpu::aggregate(c, d, gathered.data_ptr(), ranks, stride, out.numel(), p,
-                                out.data_ptr(), alpha, w.stream);
-#endif
-  hvdc::aggregate(c, d, gathered.data_ptr(), ranks, stride, out.numel(), p, out.data_ptr(), alpha);
+// With check_finite (CPU), the aggregations return whether every element of out is finite,
+// found while out is in cache (hvdc/kernels.h aggregate) rather than in the optimizer's pass
+// over every reduced gradient; true when not asked.
+void refuse_check_on_cuda(const Where& w, bool check_finite) {
+  if (w.cuda && check_finite)
+    throw hvdc::KernelError("check_finite is for CPU tensors: on CUDA, all_finite checks the "
+                            "outputs with one wait per step");
 }
 
-void aggregate(int64_t codec, const at::Tensor& gathered, at::Tensor& out, const hvdc::Params& p,
-               double alpha) {
+bool run_aggregate(const Where& w, hvdc::CodecId c, hvdc::DType d, const at::Tensor& gathered,
+                   int64_t ranks, int64_t stride, at::Tensor& out, const hvdc::Params& p,
+                   double alpha, bool check_finite) {
+  refuse_check_on_cuda(w, check_finite);
+#ifdef HVDC_WITH_CUDA
+  if (w.cuda) {
+    hvdc::gpu::aggregate(c, d, gathered.data_ptr(), ranks, stride, out.numel(), p,
+                         out.data_ptr(), alpha, w.stream);
+    return true;
+  }
+#endif
+  bool finite = true;
+  hvdc::aggregate(c, d, gathered.data_ptr(), ranks, stride, out.numel(), p, out.data_ptr(), alpha,
+                  check_finite ? &finite : nullptr);
+  return finite;
+}
+
+bool aggregate(int64_t codec, const at::Tensor& gathered, at::Tensor& out, const hvdc::Params& p,
+               double alpha, bool check_finite) {
   const Where w = where_of(out, "output");
   HVDC_GUARD(w);
   check_out(out, out, w, "output");
@@ -176,12 +191,13 @@ void aggregate(int64_t codec, const at::Tensor& gathered, at::Tensor& out, const
     throw hvdc::KernelError("gathered payloads are " + std::to_string(gathered.size(1)) +
                             " bytes per rank, the codec needs " + std::to_string(want) +
                             ": ranks disagree on the tensor size or the codec parameters");
-  run_aggregate(w, c, d, gathered, gathered.size(0), gathered.size(1), out, p, alpha);
+  return run_aggregate(w, c, d, gathered, gathered.size(0), gathered.size(1), out, p, alpha,
+                       check_finite);
 }
 
 // Two ranks' payloads from the int32 sum of their words (hvdc/kernels.h aggregate_pair).
-void aggregate_pair(int64_t codec, const at::Tensor& own, const at::Tensor& summed, int64_t rank,
-                    at::Tensor& out, const hvdc::Params& p, double alpha) {
+bool aggregate_pair(int64_t codec, const at::Tensor& own, const at::Tensor& summed, int64_t rank,
+                    at::Tensor& out, const hvdc::Params& p, double alpha, bool check_finite) {
   const Where w = where_of(out, "output");
   HVDC_GUARD(w);
   check_out(out, out, w, "output");
@@ -196,26 +212,32 @@ void aggregate_pair(int64_t codec, const at::Tensor& own, const at::Tensor& summ
                             std::to_string(summed.numel()) + "]");
   const auto c = static_cast<hvdc::CodecId>(codec);
   const auto* sw = static_cast<const int32_t*>(summed.data_ptr());
+  refuse_check_on_cuda(w, check_finite);
 #ifdef HVDC_WITH_CUDA
-  if (w.cuda)
-    return hvdc::gpu::aggregate_pair(c, d, own.data_ptr(), sw, rank, out.numel(), p,
-                                     out.data_ptr(), alpha, w.stream);
+  if (w.cuda) {
+    hvdc::gpu::aggregate_pair(c, d, own.data_ptr(), sw, rank, out.numel(), p, out.data_ptr(),
+                              alpha, w.stream);
+    return true;
+  }
 #endif
-  hvdc::aggregate_pair(c, d, own.data_ptr(), sw, rank, out.numel(), p, out.data_ptr(), alpha);
+  bool finite = true;
+  hvdc::aggregate_pair(c, d, own.data_ptr(), sw, rank, out.numel(), p, out.data_ptr(), alpha,
+                       check_finite ? &finite : nullptr);
+  return finite;
 }
 
 // Payloads of variable-size codecs, back to back in one uint8 vector (Horovod's allgather of
 // 1-D tensors of different lengths).
-void aggregate_concat(int64_t codec, const at::Tensor& gathered, int64_t ranks, at::Tensor& out,
-                      const hvdc::Params& p, double alpha) {
+bool aggregate_concat(int64_t codec, const at::Tensor& gathered, int64_t ranks, at::Tensor& out,
+                      const hvdc::Params& p, double alpha, bool check_finite) {
   const Where w = where_of(out, "output");
   HVDC_GUARD(w);
   check_out(out, out, w, "output");
   check_on(gathered, w, "gathered payloads");
   if (gathered.dim() != 1 || gathered.scalar_type() != at::kByte || !gathered.is_contiguous())
     throw hvdc::KernelError("gathered payloads must be a contiguous uint8 vector");
-  run_aggregate(w, static_cast<hvdc::CodecId>(codec), dtype_of(out, "output"), gathered, ranks,
-                gathered.numel(), out, p, alpha);
+  return run_aggregate(w, static_cast<hvdc::CodecId>(codec), dtype_of(out, "output"), gathered,
+                       ranks, gathered.numel(), out, p, alpha, check_finite);
 }
 
 int64_t encoded_bytes(int64_t codec, const at::Tensor& payload, const at::Tensor& like,
@@ -393,11 +415,9 @@ bool powersgd_reconstruct(const at::Tensor& p, const at::Tensor& qt, std::vector
   HVDC_GUARD(w);
   const auto d = dtype_of(outs[0], "output");
   const int64_t rows = outs[0].size(0), cols = outs[0].size(1), r = p.size(2);
+  refuse_check_on_cuda(w, check_finite);
 #ifdef HVDC_WITH_CUDA
   if (w.cuda) {
-    if (check_finite)
-      throw hvdc::KernelError("check_finite is for CPU tensors: on CUDA, all_finite checks the "
-                              "outputs with one wait per step");
     const auto o = data_ptrs<void*>(outs);
     hvdc::gpu::powersgd_reconstruct(d, p.data_ptr(), qt.data_ptr(),
                                     static_cast<int64_t>(outs.size()), rows, cols, r, o.data(),
@@ -644,13 +664,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("new_payload", &new_payload, G());
   m.def("encode", &encode, G());
   m.def("decode", &decode, G());
-  m.def("aggregate", &aggregate, G());
+  m.def("aggregate", &aggregate, G(), py::arg("codec"), py::arg("gathered"), py::arg("out"),
+        py::arg("params"), py::arg("alpha"), py::arg("check_finite") = false);
   m.def("ef_encode", &ef_encode, G(), py::arg("codec"), py::arg("x"), py::arg("e"),
         py::arg("carry"), py::arg("params"), py::arg("payload"), py::arg("e_in") = py::none());
   m.def("ef_settle", &ef_settle, G());
   m.def("ef_carry_size", &ef_carry_size);
-  m.def("aggregate_concat", &aggregate_concat, G());
-  m.def("aggregate_pair", &aggregate_pair, G());
+  m.def("aggregate_concat", &aggregate_concat, G(), py::arg("codec"), py::arg("gathered"),
+        py::arg("ranks"), py::arg("out"), py::arg("params"), py::arg("alpha"),
+        py::arg("check_finite") = false);
+  m.def("aggregate_pair", &aggregate_pair, G(), py::arg("codec"), py::arg("own"),
+        py::arg("summed"), py::arg("rank"), py::arg("out"), py::arg("params"), py::arg("alpha"),
+        py::arg("check_finite") = false);
   m.def("pair_aggregates", [](int64_t codec) {
     return hvdc::pair_aggregates(static_cast<hvdc::CodecId>(codec));
   });

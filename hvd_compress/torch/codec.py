@@ -491,10 +491,15 @@ class TorchCodec:
         if out is None:
             grad = job.extra["grad"]
             out = torch.empty(part.n, dtype=grad.dtype, device=grad.device)
+        check = out.device.type == "cpu"
         if info.variable_size:
-            _C.aggregate_concat(info.kernel_id, payloads.view(-1), ranks, out, kp, alpha)
+            finite = _C.aggregate_concat(info.kernel_id, payloads.view(-1), ranks, out, kp, alpha,
+                                         check_finite=check)
         else:
-            _C.aggregate(info.kernel_id, payloads.view(ranks, -1), out, kp, alpha)
+            finite = _C.aggregate(info.kernel_id, payloads.view(ranks, -1), out, kp, alpha,
+                                  check_finite=check)
+        if check:
+            _checked(job, out, finite)
         return out
 
     def reduce_into(self, job: Job, payloads: torch.Tensor, part: Part, info: CodecInfo,
@@ -504,8 +509,11 @@ class TorchCodec:
     def reduce_pair(self, job: Job, payload: torch.Tensor, summed: torch.Tensor, part: Part,
                     info: CodecInfo, alpha: float) -> torch.Tensor:
         out = self._part_out(job, part)
-        _C.aggregate_pair(info.kernel_id, payload, summed, job.rank, out,
-                          self._part_params(job, part, info), alpha)
+        check = out.device.type == "cpu"
+        finite = _C.aggregate_pair(info.kernel_id, payload, summed, job.rank, out,
+                                   self._part_params(job, part, info), alpha, check_finite=check)
+        if check:
+            _checked(job, out, finite)
         return out
 
     def decode_part(self, job: Job, payload: torch.Tensor, part: Part, info: CodecInfo,
@@ -570,8 +578,18 @@ class TorchCodec:
             out = torch.cat(pieces)
         if out.data_ptr() != grad.data_ptr() or not grad.is_contiguous():
             grad.copy_(out.view(grad.shape))
+        # Whether the result is finite, where the kernels that wrote every piece found out.
+        checked = job.extra.pop("checked", [])
+        found = [next((f for t, f in checked if t is piece), None) for piece in pieces]
+        if pieces and None not in found:
+            job.extra["finite"] = all(found)
         self._end_bucket(job.name)
         return grad
+
+
+def _checked(job: Job, out: torch.Tensor, finite: bool) -> None:
+    """Notes that the aggregation that wrote out found it finite or not (TorchCodec.finish)."""
+    job.extra.setdefault("checked", []).append((out, finite))
 
 
 class TorchAdapter:

@@ -173,7 +173,7 @@ class _CompressedReduction:
                               average=self.op == hvd.Average, opname=name, step=step,
                               fields_step=step, nodes=self._hvdc_nodes, gloo=self._hvdc_gloo, extra={"grad": grad})
         collectives.choose(job)
-        pending = PendingPlan(collectives.plan(job, self._hvdc_codec), self._hvdc_groups)
+        pending = PendingPlan(collectives.plan(job, self._hvdc_codec), self._hvdc_groups, job)
         self._hvdc_stats.record(name, job.info.name, grad.numel() * grad.element_size(),
                                 job.payload_bytes, job.strategy, job.wire_bytes)
         return pending, None
@@ -216,7 +216,7 @@ class _CompressedReduction:
             offsets[m.name] = (at, m.n)
             at += m.n
         self._hvdc_flights[bucket.index] = (
-            PendingPlan(collectives.plan(job, self._hvdc_codec), self._hvdc_groups), offsets)
+            PendingPlan(collectives.plan(job, self._hvdc_codec), self._hvdc_groups, job), offsets)
         self._hvdc_stats.record(name, job.info.name, flat.numel() * flat.element_size(),
                                 job.payload_bytes, job.strategy, job.wire_bytes)
 
@@ -311,7 +311,8 @@ class _CompressedReduction:
                 if hasattr(plan, "prepare") and id(plan) not in moved:
                     moved.add(id(plan))
                     plan.prepare()
-        checked = [(p, h) for p, (h, _) in self._handles.items() if isinstance(h, PowerSGDMember)]
+        checked = [(p, h) for p, (h, _) in self._handles.items()
+                   if isinstance(h, (PowerSGDMember, PendingPlan))]
         everything = self._requires_update
         self._requires_update = everything - nowhere
         try:
@@ -367,13 +368,20 @@ class _CompressedReduction:
             self._hvdc_powersgd.world = world
         return True
 
-    def _hvdc_finite(self, powersgd_members) -> bool:
-        # PowerSGD checked its results as it wrote them (on the CPU): those are not read again.
-        known = {p: h.finite for p, h in powersgd_members if h.finite is not None}
+    def _hvdc_finite(self, checked) -> bool:
+        # PowerSGD and the aggregations checked their results as they wrote them (on the CPU):
+        # those are not read again.
+        known = {p: h.finite for p, h in checked if h.finite is not None}
         if not all(known.values()):
             return False
         # A bucketed gradient is a view of its bucket's reduced tensor: one check per bucket.
-        reduced = [plan() for plan, _ in self._hvdc_flights.values()]
+        reduced = []
+        for plan, _ in self._hvdc_flights.values():
+            out = plan()
+            if plan.finite is None:
+                reduced.append(out)
+            elif not plan.finite:
+                return False
         reduced += [g._values() if g.is_sparse else g
                     for g in (p.grad for p in self._requires_update
                               if p not in known
@@ -482,10 +490,16 @@ class PendingPlan:
     reduced gradient; prepare() moves the plan on by one collective, so every tensor's second
     collective is issued before any tensor is waited on to the end."""
 
-    def __init__(self, gen, groups):
-        self._gen, self._groups = gen, groups
+    def __init__(self, gen, groups, job=None):
+        self._gen, self._groups, self._job = gen, groups, job
         self._done, self._result = False, None
         self._issue(next(gen))
+
+    @property
+    def finite(self) -> bool | None:
+        """Once called: whether the job's reduced gradient is all finite, as the aggregation
+        kernels found while writing it (on the CPU); None where they did not look."""
+        return None if self._job is None else self._job.extra.get("finite")
 
     def _issue(self, request) -> None:
         ps = self._groups[request.group]

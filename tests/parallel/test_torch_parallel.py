@@ -23,6 +23,7 @@ from simulation import (BPPS_SHAPE, BPPS_SPECS, PowerSGDKernelSimulation, Simula
                         bpps_pass_grads, bpps_weights, grads_for_step, rank_sum)
 import hvd_compress as hc
 import hvd_compress.torch as hvdc
+import hvd_compress.torch.optimizer as optimizer_module
 from hvd_compress.torch import Compression
 
 # A set without rank 1: rank 1 must then step on its own gradients, as with Horovod.
@@ -773,6 +774,29 @@ def test_powersgd_step_with_a_non_finite_gradient_is_rolled_back_wherever_it_is(
     assert not torch.isfinite(out[int(bad[1])]).all()
     assert store.peek("p0", "ef") is held
     assert_same_state(opt.compression_state_dict(), before)
+
+
+@pytest.mark.parametrize("spec", ["topk,k=0.01,ef=vanilla", "threshold,threshold=0.002,ef=vanilla",
+                                  "dgc,k=0.01", "minmax8,ef=vanilla", "onebit,ef=vanilla"])
+def test_the_step_reads_for_non_finite_values_only_what_no_aggregation_checked(spec, monkeypatch):
+    """On the CPU each aggregation of gathered payloads reports whether the sum it wrote is
+    finite, and the optimizer's pass after the reduction reads only the other gradients: those
+    sent uncompressed or by another strategy (DGC's biases, minmax8's one-element bias). A NaN
+    that only the aggregations see still skips the step (the pass is not even called then)."""
+    read = []
+    real = optimizer_module._C.all_finite
+
+    def counting(tensors):
+        read.append(sum(t.numel() for t in tensors))
+        return real(tensors)
+
+    monkeypatch.setattr(optimizer_module._C, "all_finite", counting)
+    model, opt, skipped = skip_probe(spec, bad_step=3)
+    assert skipped == [3]
+    tensors = opt.compression_report()["tensors"].values()
+    others = sum(t["raw_bytes"] // 4 for t in tensors if t["collective"] != "allgather")
+    assert others < sum(t["raw_bytes"] // 4 for t in tensors)
+    assert read == [others] * 7  # every step but the poisoned one
 
 
 # ---- a skipped step leaves no trace in the compression state --------------------------------

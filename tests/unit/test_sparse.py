@@ -200,3 +200,87 @@ def test_dgc_needs_its_state_and_refuses_other_ranks_capacity():
     gathered = torch.stack([ours.view(torch.uint8), theirs.view(torch.uint8)[:ours.numel()]])
     with pytest.raises(ValueError, match="dgc payload from rank 1 has capacity 6, this rank k=5"):
         _C.aggregate(DGC, gathered, torch.empty(100), p, 0.5)
+
+
+def numpy_all_finite(t: torch.Tensor) -> bool:
+    a = t2n(t)
+    if t.dtype == torch.bfloat16:  # bfloat16 is the high half of a float32
+        a = (a.astype(np.uint32) << 16).view(np.float32)
+    return bool(np.isfinite(a).all())
+
+
+def sparse_payload(codec: str, x: torch.Tensor) -> tuple[torch.Tensor, object]:
+    """x's payload, every rank's of one size for top-k and DGC (1% of n kept), its size for
+    threshold (|x| above 2)."""
+    if codec == "threshold":
+        return threshold_encode(x, 2.0)
+    k = max(1, x.numel() // 100)
+    if codec == "dgc":
+        return dgc_step(x, torch.zeros_like(x), torch.zeros_like(x), k)
+    p = params(k=k)
+    payload = _C.new_payload(ref.CODEC_ID["topk"], x, p)
+    _C.encode(ref.CODEC_ID["topk"], x, p, payload)
+    return payload, p
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered")  # the reference making its inf
+@pytest.mark.parametrize("bad", [None, "nan", "overflow"])
+@pytest.mark.parametrize("n", [3000, 6144, 600_001])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("codec", ["topk", "threshold", "dgc"])
+def test_sparse_sums_report_whether_what_they_wrote_is_finite(codec, dtype, n, bad):
+    """Top-k, threshold and DGC sum their payloads a block of 2048 elements at a time (whole
+    blocks at 6144; 600001 float32 or float64 elements go out by non-temporal stores): the numpy
+    reference's bits with check_finite or not, and True exactly when every element of the sum is
+    finite in the output's dtype. A NaN sits in the last element (past the last whole block); an
+    overflow is three finite values at one index that sum past the dtype's largest."""
+    xs = [random_grad(n, dtype, seed=500 + r) for r in range(3)]
+    if bad == "nan":
+        xs[1][n - 1] = float("nan")
+    elif bad == "overflow":
+        big = 0.75 * torch.finfo(xs[0].dtype).max
+        for x in xs:
+            x[n // 2] = big
+    made = [sparse_payload(codec, x) for x in xs]
+    p = made[0][1]
+    payloads = [pl for pl, _ in made]
+    raw = [payload_bytes(pl) for pl in payloads]
+    cid = ref.CODEC_ID[codec]
+    for alpha in (0.5, 1.0):
+        want = ref.aggregate(codec, raw, n, dtype, alpha, k=p.k)
+        outs = []
+        for check in (False, True):
+            out = torch.full((n,), 3.0, dtype=xs[0].dtype)
+            if codec == "threshold":
+                finite = _C.aggregate_concat(cid, torch.cat(payloads), 3, out, p, alpha,
+                                             check_finite=check)
+            else:
+                finite = _C.aggregate(cid, torch.stack([pl.view(torch.uint8) for pl in payloads]),
+                                      out, p, alpha, check_finite=check)
+            assert same_bits(t2n(out), want), (alpha, check)
+            outs.append(finite)
+        assert outs[0] is True  # not asked
+        assert outs[1] == numpy_all_finite(out) == (bad is None), alpha
+
+
+def test_sparse_sums_refuse_indices_outside_the_tensor_or_out_of_order():
+    """A corrupt payload is an error that says what is wrong, not a sum with entries lost."""
+    n = 10000
+    x = random_grad(n, "float32", seed=9)
+    payload, p = threshold_encode(x, 1.0)
+    count = int(payload[4:8].view(torch.int32))
+    idx = payload[8:8 + 4 * count].view(torch.int32)
+    assert count > 10 and bool((idx[1:] > idx[:-1]).all())
+    out = torch.empty(n)
+    for i, value, message in [(count - 1, n, f"index {n} outside a tensor of {n} elements"),
+                              (0, -4, f"index -4 outside a tensor of {n} elements"),
+                              (count - 1, 5, "indices are not ascending")]:
+        corrupt = payload.clone()
+        corrupt[8:8 + 4 * count].view(torch.int32)[i] = value
+        with pytest.raises(ValueError, match=f"threshold payload {message}"):
+            _C.aggregate_concat(THR, corrupt, 1, out, p, 1.0)
+    gathered = torch.stack([sparse_payload("topk", x)[0].view(torch.uint8)])
+    k = n // 100
+    gathered[0, 8:8 + 4 * k].view(torch.int32)[k - 1] = n + 7
+    with pytest.raises(ValueError, match=f"topk payload index {n + 7} outside a tensor of {n}"):
+        _C.aggregate(ref.CODEC_ID["topk"], gathered, out, params(k=k), 1.0)

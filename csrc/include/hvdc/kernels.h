@@ -77,17 +77,21 @@ int64_t encoded_bytes(CodecId codec, DType dtype, const void* payload, int64_t n
 // Variable-size codecs: the payloads are back to back and `stride` is their total size.
 // Mean-style codecs: out = sum_r alpha * D(payload_r), accumulated in float (double for f64).
 // signsgd: out = sign(sum_r sign_r) * mean_r(scale_r) * alpha * ranks (majority vote).
+// With `finite`, *finite = whether every element of out is finite (in its dtype): found while
+// each block of out is in L1 by topk, threshold and dgc, by a pass over out after the others.
 void aggregate(CodecId codec, DType dtype, const void* payloads, int64_t ranks, int64_t stride,
-               int64_t n, const Params& p, void* out, double alpha);
+               int64_t n, const Params& p, void* out, double alpha, bool* finite = nullptr);
 
 // Two ranks' fp16, bf16, minmax8, dithering or natural payloads reduced from the int32 sum (wrapping) of their words, as
 // two-rank Gloo jobs gather them (hvd_compress.collectives.gather_rows): `own` is this rank's
 // payload, `summed` the sum of both payloads' bytes as little-endian int32 words (the last one
 // zero-padded), `rank` 0 or 1. The other payload is summed - own, word by word, decoded in the
-// same pass: out equals aggregate() of the two payloads in rank order, bit for bit.
+// same pass: out equals aggregate() of the two payloads in rank order, bit for bit. `finite`
+// as aggregate's, by a pass over out.
 bool pair_aggregates(CodecId codec);
 void aggregate_pair(CodecId codec, DType dtype, const void* own, const int32_t* summed,
-                    int64_t rank, int64_t n, const Params& p, void* out, double alpha);
+                    int64_t rank, int64_t n, const Params& p, void* out, double alpha,
+                    bool* finite = nullptr);
 
 // Error feedback around any codec, one call: p = x + e; payload = C(p); e = p - D(payload).
 //
