@@ -46,6 +46,14 @@ inline bool stream_to(const void* y, int64_t bytes) {
   return bytes >= kStreamingBytes && (reinterpret_cast<uintptr_t>(y) & 31) == 0;
 }
 
+// Results that nothing reads again within the step (a reduced gradient, read by the
+// optimizer's update after the step's other buckets; a residual, read at the next step) go
+// around the cache from this size, a core's L2 on the development VM.
+constexpr int64_t kLaterBytes = 2 << 20;
+inline bool stream_later(const void* y, int64_t bytes) {
+  return bytes >= kLaterBytes && (reinterpret_cast<uintptr_t>(y) & 31) == 0;
+}
+
 // dst[0, bytes) = src[0, bytes), each whole 32 bytes by a non-temporal store (dst aligned to 32).
 __attribute__((target("avx2"))) inline void stream_copy_avx2(void* dst, const void* src,
                                                             int64_t bytes) {
@@ -210,9 +218,10 @@ void sum_entries(DType d, const std::vector<Entries>& ranks, int64_t n, void* ou
 int64_t threshold_capacity(DType d, int64_t n);
 int64_t threshold_used(DType d, const void* payload);
 void threshold_encode(DType d, const void* x, int64_t n, const Params& p, void* payload);
-// e = x + e, then threshold_encode(e), in one pass over memory (as top-k's).
-void threshold_ef_accumulate_encode(DType d, const void* x, const void* e_in, void* e, int64_t n,
-                                    const Params& p, void* payload);
+// Error feedback: p = x + e_in, threshold_encode(p), e = p + alpha * D(payload) (e may be
+// e_in); for float32 under AVX2 in one sweep that writes e once.
+void threshold_ef_encode(DType d, const void* x, const void* e_in, void* e, int64_t n,
+                         const Params& p, void* payload, double alpha);
 void threshold_aggregate(DType d, const void* payloads, int64_t ranks, int64_t total, int64_t n,
                          void* out, double alpha, bool acc, bool* finite = nullptr);
 int64_t dgc_payload_bytes(DType d, int64_t k);

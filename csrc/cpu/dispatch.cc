@@ -311,8 +311,8 @@ void ef_encode(CodecId c, DType d, const void* x, const void* e_in, void* e, flo
   if (is_sign(c)) return sign::ef_encode(c, d, x, e_in, e, carry, n, p, payload);
   if (c == kTopK) {
     topk::ef_accumulate_encode(d, x, e_in, e, n, p, payload);
-  } else if (c == kThreshold) {
-    sparse::threshold_ef_accumulate_encode(d, x, e_in, e, n, p, payload);
+  } else if (c == kThreshold) {  // the residual taken in the same sweep
+    return sparse::threshold_ef_encode(d, x, e_in, e, n, p, payload, -1.0 / p.prescale);
   } else if (c == kDither) {  // the sum is not stored; the residual is taken as it codes
     return quant::dither_ef_encode(d, x, e_in, e, n, p, payload, -1.0 / p.prescale);
   } else if (c == kMinMax8) {  // chunk by chunk, each in cache from its sum to its residual

@@ -56,22 +56,24 @@ def test_threshold_aggregates_payloads_of_any_size_including_empty(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n", [33, 3000, 20011])
-@pytest.mark.parametrize("t", [0.0, 1.5])
+@pytest.mark.parametrize("n", [33, 3000, 20011, 600_001])
+@pytest.mark.parametrize("t,prescale", [(0.0, 1.0), (1.5, 1.0), (1.5, 0.5)])
 @pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # the reference sums NaN and inf
-def test_threshold_error_feedback_matches_reference(t, n, dtype):
-    """Error feedback adds the residual in the selecting pass (float32: vectorised, 32 elements
-    a step, then a scalar tail); NaN and inf in the sum are sent, as |x| <= t fails for them."""
+def test_threshold_error_feedback_matches_reference(t, prescale, n, dtype):
+    """Error feedback adds the residual in the selecting pass (float32 under AVX2: 16 elements a
+    step, the sent ones' residual kept in the same sweep, e written around the cache from 2 MiB,
+    then a scalar tail); NaN and inf in the sum are sent, as |x| <= t fails for them."""
     e = torch.zeros(n, dtype=random_grad(1, dtype).dtype)
     e_ref = t2n(e)
-    p = params(threshold=t)
+    p = params(threshold=t, prescale=prescale)
     for step in range(4):
         x = random_grad(n, dtype, seed=step)
         if step == 2:
             x[[5, n - 1]] = torch.tensor([float("nan"), float("-inf")], dtype=x.dtype)
         payload = _C.new_payload(THR, x, p)
         _C.ef_encode(THR, x, e, torch.zeros(0), p, payload)
-        want, e_ref = ref.ef_encode("threshold", t2n(x), e_ref, dtype, threshold=t)
+        want, e_ref = ref.ef_encode("threshold", t2n(x), e_ref, dtype, prescale=prescale,
+                                    threshold=t)
         assert payload_bytes(payload)[:len(want)] == want
         assert same_bits(t2n(e), e_ref)
 
