@@ -4,6 +4,7 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -50,16 +51,15 @@ inline bool stream_to(const void* y, int64_t bytes) {
 // optimizer's update after the step's other buckets; a residual, read at the next step) go
 // around the cache from this size, a core's L2 on the development VM.
 constexpr int64_t kLaterBytes = 2 << 20;
-inline bool stream_later(const void* y, int64_t bytes) {
-  return bytes >= kLaterBytes && (reinterpret_cast<uintptr_t>(y) & 31) == 0;
-}
 
-// dst[0, bytes) = src[0, bytes), each whole 32 bytes by a non-temporal store (dst aligned to 32).
+// dst[0, bytes) = src[0, bytes), by non-temporal stores from dst's first 32-byte boundary on
+// (a bucket that starts inside a parameter's gradient is rarely aligned).
 __attribute__((target("avx2"))) inline void stream_copy_avx2(void* dst, const void* src,
                                                             int64_t bytes) {
   auto* d = static_cast<char*>(dst);
   const auto* s = static_cast<const char*>(src);
-  int64_t i = 0;
+  int64_t i = std::min<int64_t>(bytes, (32 - (reinterpret_cast<uintptr_t>(d) & 31)) & 31);
+  std::memcpy(d, s, static_cast<size_t>(i));
   for (; i + 32 <= bytes; i += 32)
     _mm256_stream_si256(reinterpret_cast<__m256i*>(d + i),
                         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i)));

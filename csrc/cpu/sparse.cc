@@ -91,7 +91,7 @@ void sum_entries_as(DType d, const std::vector<Entries>& runs, int64_t n, T* o, 
   std::vector<T> narrow(std::is_same_v<T, A> ? 0 : kSumBlock);
   const int64_t bytes = n * static_cast<int64_t>(sizeof(T));
   // 100 4-MiB buckets at 6% density from two ranks: 59 ms with plain stores, 42-47 streamed.
-  const bool stream = cpu_has_avx2_f16c() && stream_later(o, bytes);
+  const bool stream = cpu_has_avx2_f16c() && bytes >= kLaterBytes;
   bool ok = true;
   for (int64_t lo = 0; lo < n; lo += kSumBlock) {
     const int64_t len = std::min(kSumBlock, n - lo);
@@ -299,9 +299,23 @@ __attribute__((target("avx2"))) void threshold_ef_f32_avx2(const float* x, const
   const __m256i thr = _mm256_set1_epi32(static_cast<int32_t>(key_t));
   const __m256i absmask = _mm256_set1_epi32(0x7fffffff);
   const __m256 a = _mm256_set1_ps(alpha);
-  const bool stream = stream_later(e, 4 * n);
-  alignas(32) float lanes[8];
+  auto one = [&](int64_t i) {
+    const float v = x[i] + e_in[i];
+    if (key_of(v) > key_t) {
+      idx.push_back(static_cast<int32_t>(i));
+      vals.push_back(v);
+      e[i] = v + alpha * v;
+    } else {
+      e[i] = v;
+    }
+  };
+  // Elements up to e's first 32-byte boundary go one by one, so that a residual that starts
+  // inside a parameter's slot (a bucket's piece) streams too.
+  const int64_t head = std::min<int64_t>(n, ((32 - (reinterpret_cast<uintptr_t>(e) & 31)) & 31) / 4);
+  const bool stream = n * 4 >= kLaterBytes && (reinterpret_cast<uintptr_t>(e) & 3) == 0;
   int64_t i = 0;
+  for (; i < head; ++i) one(i);
+  alignas(32) float lanes[8];
   for (; i + 16 <= n; i += 16) {
     prefetch_ahead(x + i);
     prefetch_ahead(e_in + i);
@@ -326,16 +340,7 @@ __attribute__((target("avx2"))) void threshold_ef_f32_avx2(const float* x, const
     }
   }
   if (stream) _mm_sfence();
-  for (; i < n; ++i) {
-    const float v = x[i] + e_in[i];
-    if (key_of(v) > key_t) {
-      idx.push_back(static_cast<int32_t>(i));
-      vals.push_back(v);
-      e[i] = v + alpha * v;
-    } else {
-      e[i] = v;
-    }
-  }
+  for (; i < n; ++i) one(i);
 }
 }  // namespace
 

@@ -58,12 +58,14 @@ def test_threshold_aggregates_payloads_of_any_size_including_empty(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", [33, 3000, 20011, 600_001])
 @pytest.mark.parametrize("t,prescale", [(0.0, 1.0), (1.5, 1.0), (1.5, 0.5)])
+@pytest.mark.parametrize("offset", [0, 3])
 @pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # the reference sums NaN and inf
-def test_threshold_error_feedback_matches_reference(t, prescale, n, dtype):
+def test_threshold_error_feedback_matches_reference(offset, t, prescale, n, dtype):
     """Error feedback adds the residual in the selecting pass (float32 under AVX2: 16 elements a
-    step, the sent ones' residual kept in the same sweep, e written around the cache from 2 MiB,
-    then a scalar tail); NaN and inf in the sum are sent, as |x| <= t fails for them."""
-    e = torch.zeros(n, dtype=random_grad(1, dtype).dtype)
+    step, the sent ones' residual kept in the same sweep, e written around the cache from 2 MiB
+    and its first 32-byte boundary, then a scalar tail); NaN and inf in the sum are sent, as
+    |x| <= t fails for them. offset: e starts that many elements into its buffer."""
+    e = torch.zeros(n + offset, dtype=random_grad(1, dtype).dtype)[offset:]
     e_ref = t2n(e)
     p = params(threshold=t, prescale=prescale)
     for step in range(4):
@@ -232,8 +234,9 @@ def sparse_payload(codec: str, x: torch.Tensor) -> tuple[torch.Tensor, object]:
 @pytest.mark.parametrize("codec", ["topk", "threshold", "dgc"])
 def test_sparse_sums_report_whether_what_they_wrote_is_finite(codec, dtype, n, bad):
     """Top-k, threshold and DGC sum their payloads a block of 2048 elements at a time (whole
-    blocks at 6144; 600001 float32 or float64 elements go out by non-temporal stores): the numpy
-    reference's bits with check_finite or not, and True exactly when every element of the sum is
+    blocks at 6144; 600001 float32 or float64 elements go out by non-temporal stores, from the
+    first 32-byte boundary of an output that starts off one): the numpy reference's bits with
+    check_finite or not, and True exactly when every element of the sum is
     finite in the output's dtype. A NaN sits in the last element (past the last whole block); an
     overflow is three finite values at one index that sum past the dtype's largest."""
     xs = [random_grad(n, dtype, seed=500 + r) for r in range(3)]
@@ -252,7 +255,9 @@ def test_sparse_sums_report_whether_what_they_wrote_is_finite(codec, dtype, n, b
         want = ref.aggregate(codec, raw, n, dtype, alpha, k=p.k)
         outs = []
         for check in (False, True):
-            out = torch.full((n,), 3.0, dtype=xs[0].dtype)
+            # the checked sum lands one element into its buffer: not on a 32-byte boundary
+            buf = torch.full((n + 1,), 3.0, dtype=xs[0].dtype)
+            out = buf[1:] if check else buf[:n]
             if codec == "threshold":
                 finite = _C.aggregate_concat(cid, torch.cat(payloads), 3, out, p, alpha,
                                              check_finite=check)
@@ -260,6 +265,7 @@ def test_sparse_sums_report_whether_what_they_wrote_is_finite(codec, dtype, n, b
                 finite = _C.aggregate(cid, torch.stack([pl.view(torch.uint8) for pl in payloads]),
                                       out, p, alpha, check_finite=check)
             assert same_bits(t2n(out), want), (alpha, check)
+            assert float(buf[0 if check else n]) == 3.0
             outs.append(finite)
         assert outs[0] is True  # not asked
         assert outs[1] == numpy_all_finite(out) == (bad is None), alpha
