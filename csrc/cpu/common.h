@@ -225,7 +225,9 @@ void threshold_ef_encode(DType d, const void* x, const void* e_in, void* e, int6
 void threshold_aggregate(DType d, const void* payloads, int64_t ranks, int64_t total, int64_t n,
                          void* out, double alpha, bool acc, bool* finite = nullptr);
 int64_t dgc_payload_bytes(DType d, int64_t k);
-void dgc_encode(DType d, const void* x, void* u, void* v, int64_t n, const Params& p, void* payload);
+// u_in, v_in: the state before the step; u, v: where it is written (the same buffers, or apart).
+void dgc_encode(DType d, const void* x, const void* u_in, const void* v_in, void* u, void* v,
+                int64_t n, const Params& p, void* payload);
 void dgc_aggregate(DType d, const void* payloads, int64_t ranks, int64_t stride, int64_t n,
                    const Params& p, void* out, double alpha, bool acc, bool* finite = nullptr);
 }  // namespace sparse

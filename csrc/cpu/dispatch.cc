@@ -279,13 +279,15 @@ int64_t state_count(CodecId c) {
   return c == kDGC ? 2 : 0;
 }
 
-void encode_with_state(CodecId c, DType d, const void* x, void* const* state, int64_t nstate,
-                       int64_t n, const Params& p, void* payload) {
+void encode_with_state(CodecId c, DType d, const void* x, const void* const* state_in,
+                       void* const* state, int64_t nstate, int64_t n, const Params& p,
+                       void* payload) {
   check_common(c, d, n, p);
   if (nstate != state_count(c))
     throw KernelError(std::string(codec_name(c)) + " keeps " + std::to_string(state_count(c)) +
                       " state tensor(s), got " + std::to_string(nstate));
-  if (c == kDGC) return sparse::dgc_encode(d, x, state[0], state[1], n, p, payload);
+  if (c == kDGC)
+    return sparse::dgc_encode(d, x, state_in[0], state_in[1], state[0], state[1], n, p, payload);
   throw KernelError(std::string(codec_name(c)) + " keeps no state: call encode");
 }
 

@@ -190,32 +190,50 @@ std::vector<int32_t> dgc_select(const A* v, int64_t n, int64_t k, std::vector<K>
   return cand;
 }
 
-// DGC's momentum correction and accumulation in place, u = mf u + scale x and v = v + u, with
+// DGC's momentum correction and accumulation, u = mf u_in + scale x and v = v_in + u, with
 // the indices whose new key_of(v) is at least t (t > 0) appended to out in ascending order:
 // the update and the first candidate pass in one sweep of memory. The same float operations in
-// the same order as the scalar loop, so the same bits.
-__attribute__((target("avx2"))) void dgc_step_f32_avx2(const float* x, float* u, float* v,
+// the same order as the scalar loop, so the same bits. A state written apart from state_in is
+// read again only at the next step: from kLaterBytes it goes around the cache, from the first
+// element where u (and v with it) lies on a 32-byte boundary.
+__attribute__((target("avx2"))) void dgc_step_f32_avx2(const float* x, const float* u_in,
+                                                       const float* v_in, float* u, float* v,
                                                        int64_t n, float mf, float scale,
                                                        uint32_t t, std::vector<int32_t>& out) {
   // keys are below 2^31, so a signed compare against t - 1 is the unsigned test key >= t.
   const __m256i thr = _mm256_set1_epi32(static_cast<int32_t>(t) - 1);
   const __m256i absmask = _mm256_set1_epi32(0x7fffffff);
   const __m256 vm = _mm256_set1_ps(mf), vs = _mm256_set1_ps(scale);
+  auto one = [&](int64_t j) {
+    u[j] = mf * u_in[j] + x[j] * scale;
+    v[j] = v_in[j] + u[j];
+    if (key_of(v[j]) >= t) out.push_back(static_cast<int32_t>(j));
+  };
+  const auto at = [](const float* q) { return reinterpret_cast<uintptr_t>(q); };
+  const bool stream = u != u_in && 4 * n >= kLaterBytes && ((at(u) ^ at(v)) & 31) == 0 &&
+                      (at(u) & 3) == 0;
   int64_t i = 0;
+  if (stream)
+    for (; i < n && (at(u + i) & 31); ++i) one(i);
   for (; i + 32 <= n; i += 32) {
     for (int64_t ahead = 0; ahead < 32; ahead += 16) {
       prefetch_ahead(x + i + ahead);
-      prefetch_ahead(u + i + ahead);
-      prefetch_ahead(v + i + ahead);
+      prefetch_ahead(u_in + i + ahead);
+      prefetch_ahead(v_in + i + ahead);
     }
     uint32_t mask = 0;
     for (int w = 0; w < 4; ++w) {
       const int64_t j = i + 8 * w;
-      const __m256 uj = _mm256_add_ps(_mm256_mul_ps(vm, _mm256_loadu_ps(u + j)),
+      const __m256 uj = _mm256_add_ps(_mm256_mul_ps(vm, _mm256_loadu_ps(u_in + j)),
                                       _mm256_mul_ps(_mm256_loadu_ps(x + j), vs));
-      const __m256 vj = _mm256_add_ps(_mm256_loadu_ps(v + j), uj);
-      _mm256_storeu_ps(u + j, uj);
-      _mm256_storeu_ps(v + j, vj);
+      const __m256 vj = _mm256_add_ps(_mm256_loadu_ps(v_in + j), uj);
+      if (stream) {
+        _mm256_stream_ps(u + j, uj);
+        _mm256_stream_ps(v + j, vj);
+      } else {
+        _mm256_storeu_ps(u + j, uj);
+        _mm256_storeu_ps(v + j, vj);
+      }
       const __m256i key = _mm256_and_si256(_mm256_castps_si256(vj), absmask);
       mask |= static_cast<uint32_t>(_mm256_movemask_ps(_mm256_castsi256_ps(
                   _mm256_cmpgt_epi32(key, thr)))) << (8 * w);
@@ -225,11 +243,8 @@ __attribute__((target("avx2"))) void dgc_step_f32_avx2(const float* x, float* u,
       mask &= mask - 1;
     }
   }
-  for (; i < n; ++i) {
-    u[i] = mf * u[i] + x[i] * scale;
-    v[i] = v[i] + u[i];
-    if (key_of(v[i]) >= t) out.push_back(static_cast<int32_t>(i));
-  }
+  if (stream) _mm_sfence();
+  for (; i < n; ++i) one(i);
 }
 
 }  // namespace
@@ -399,7 +414,8 @@ void threshold_aggregate(DType d, const void* payloads, int64_t ranks, int64_t t
 
 int64_t dgc_payload_bytes(DType d, int64_t k) { return kDgcHeader + index_bytes(k) + k * dtype_size(d); }
 
-void dgc_encode(DType d, const void* x, void* u, void* v, int64_t n, const Params& p, void* payload) {
+void dgc_encode(DType d, const void* x, const void* u_in, const void* v_in, void* u, void* v,
+                int64_t n, const Params& p, void* payload) {
   const int64_t k = p.k;
   auto* out = static_cast<uint8_t*>(payload);
   std::memset(out, 0, static_cast<size_t>(dgc_payload_bytes(d, k)));
@@ -408,6 +424,8 @@ void dgc_encode(DType d, const void* x, void* u, void* v, int64_t n, const Param
     using T = std::remove_pointer_t<decltype(tag)>;
     using A = typename Acc<T>::type;
     const T* xs = static_cast<const T*>(x);
+    const T* u0 = static_cast<const T*>(u_in);
+    const T* v0 = static_cast<const T*>(v_in);
     T* us = static_cast<T*>(u);
     T* vs = static_cast<T*>(v);
     A scale = 1;
@@ -424,8 +442,8 @@ void dgc_encode(DType d, const void* x, void* u, void* v, int64_t n, const Param
     }
     const A mf = static_cast<A>(p.momentum_factor);
     auto next_v = [&](int64_t i, A* ui) {
-      *ui = round_to<T>(mf * to_acc(us[i]) + to_acc(xs[i]) * scale);
-      return round_to<T>(to_acc(vs[i]) + *ui);
+      *ui = round_to<T>(mf * to_acc(u0[i]) + to_acc(xs[i]) * scale);
+      return round_to<T>(to_acc(v0[i]) + *ui);
     };
     // Selection reads v in the accumulator type: in place for float32/float64, a copy else.
     std::vector<A> widened(std::is_same_v<T, A> ? 0 : static_cast<size_t>(n));
@@ -433,7 +451,7 @@ void dgc_encode(DType d, const void* x, void* u, void* v, int64_t n, const Param
     auto step = [&](auto t, std::vector<int32_t>& cand) {
       if constexpr (std::is_same_v<T, float>) {
         if (t > 0 && cpu_has_avx2_f16c()) {
-          dgc_step_f32_avx2(xs, us, vs, n, mf, scale, t, cand);
+          dgc_step_f32_avx2(xs, u0, v0, us, vs, n, mf, scale, t, cand);
           return;
         }
       }

@@ -183,8 +183,8 @@ void threshold_encode(DType d, const void* x, int64_t n, const Params& p, void* 
 // offsets: host array of each rank's payload offset (from the walked headers).
 void threshold_aggregate(DType d, const void* payloads, const int64_t* offsets, int64_t ranks,
                          int64_t n, void* out, double alpha, bool acc, cudaStream_t s);
-void dgc_encode(DType d, const void* x, void* u, void* v, int64_t n, const Params& p, void* payload,
-                cudaStream_t s);
+void dgc_encode(DType d, const void* x, const void* u_in, const void* v_in, void* u, void* v,
+                int64_t n, const Params& p, void* payload, cudaStream_t s);
 void dgc_aggregate(DType d, const void* payloads, int64_t ranks, int64_t stride, int64_t n,
                    const Params& p, void* out, double alpha, bool acc, cudaStream_t s);
 }  // namespace sparse

@@ -230,14 +230,16 @@ void ef_settle(CodecId c, DType d, void* e, float* carry, int64_t n, void* strea
   if (is_sign(c)) sign::ef_settle(d, e, carry, n, as_stream(stream));
 }
 
-void encode_with_state(CodecId c, DType d, const void* x, void* const* state, int64_t nstate,
-                       int64_t n, const Params& p, void* payload, void* stream) {
+void encode_with_state(CodecId c, DType d, const void* x, const void* const* state_in,
+                       void* const* state, int64_t nstate, int64_t n, const Params& p,
+                       void* payload, void* stream) {
   check_args(c, d, n, p);
   if (nstate != state_count(c))
     throw KernelError("this codec keeps " + std::to_string(state_count(c)) + " state tensor(s), got " +
                       std::to_string(nstate));
   if (c != kDGC) throw KernelError("this codec keeps no state: call encode");
-  sparse::dgc_encode(d, x, state[0], state[1], n, p, payload, as_stream(stream));
+  sparse::dgc_encode(d, x, state_in[0], state_in[1], state[0], state[1], n, p, payload,
+                     as_stream(stream));
 }
 
 void homo_block_absmax(DType d, const void* x, int64_t n, int64_t block, float* out,

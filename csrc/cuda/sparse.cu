@@ -346,16 +346,18 @@ __global__ void clip_scale_k(const double* partial, int64_t parts, double clip_n
   }
 }
 
-// u = mf * u + g * scale; v = v + u, each rounded to the state's dtype.
+// u = mf * u_in + g * scale; v = v_in + u, each rounded to the state's dtype (u, v may be
+// u_in, v_in).
 template <class T>
-__global__ void dgc_update(const T* x, T* u, T* v, int64_t n, double mf, const typename Acc<T>::type* scale) {
+__global__ void dgc_update(const T* x, const T* u_in, const T* v_in, T* u, T* v, int64_t n,
+                           double mf, const typename Acc<T>::type* scale) {
   using A = typename Acc<T>::type;
   const A m = static_cast<A>(mf);
   const A sc = scale ? *scale : A(1);
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x) {
-    const A ui = round_to<T>(m * to_acc(u[i]) + to_acc(x[i]) * sc);
-    const A vi = round_to<T>(to_acc(v[i]) + ui);
+    const A ui = round_to<T>(m * to_acc(u_in[i]) + to_acc(x[i]) * sc);
+    const A vi = round_to<T>(to_acc(v_in[i]) + ui);
     u[i] = from_acc<T>(ui);
     v[i] = from_acc<T>(vi);
   }
@@ -472,8 +474,8 @@ void threshold_aggregate(DType d, const void* payloads, const int64_t* offsets, 
   }, s);
 }
 
-void dgc_encode(DType d, const void* x, void* u, void* v, int64_t n, const Params& p, void* payload,
-                cudaStream_t s) {
+void dgc_encode(DType d, const void* x, const void* u_in, const void* v_in, void* u, void* v,
+                int64_t n, const Params& p, void* payload, cudaStream_t s) {
   const int64_t k = p.k;
   auto* out = static_cast<uint8_t*>(payload);
   check(cudaMemsetAsync(out, 0, kDgcHeader + index_bytes(k) + k * (d == kF32 ? 4 : d == kF64 ? 8 : 2), s),
@@ -509,9 +511,9 @@ void dgc_encode(DType d, const void* x, void* u, void* v, int64_t n, const Param
       clip_scale_k<A><<<1, kThreads, 0, s>>>(partial, parts, p.clip_norm, scale);
     }
     if (n)
-      dgc_update<T><<<blocks_for(n), kThreads, 0, s>>>(static_cast<const T*>(x), us, vs, n,
-                                                       p.momentum_factor,
-                                                       p.clip_norm > 0.0 ? scale : nullptr);
+      dgc_update<T><<<blocks_for(n), kThreads, 0, s>>>(
+          static_cast<const T*>(x), static_cast<const T*>(u_in), static_cast<const T*>(v_in), us,
+          vs, n, p.momentum_factor, p.clip_norm > 0.0 ? scale : nullptr);
     if (k > 0 && n > 0) {
       // The 1% strided sample and the ranks dgc_select tries in it (r, 2r, 4r, ...).
       const int64_t stride = std::max<int64_t>(1, n / std::max<int64_t>(1, n / 100));

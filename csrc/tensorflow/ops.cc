@@ -410,15 +410,18 @@ class EncodeWithStateOp : public CodecOp {
     const Launch launch(ctx);
     Tensor* payload = nullptr;
     if (!payload_output(ctx, 0, d, x.NumElements(), p, &payload)) return;
+    // The kernel reads the state and writes every element of the new state: no copy first.
+    std::vector<const void*> in_ptrs;
     std::vector<void*> ptrs;
     for (int i = 0; i < state.size(); ++i) {
       OP_REQUIRES(ctx, state[i].dtype() == x.dtype() && state[i].NumElements() == x.NumElements(),
                   tensorflow::errors::InvalidArgument("codec state must match the gradient"));
       Tensor* out = nullptr;
-      if (!copy_to_output(ctx, launch, 1 + i, state[i], &out)) return;
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(1 + i, state[i].shape(), &out));
+      in_ptrs.push_back(state[i].data());
       ptrs.push_back(out->data());
     }
-    HVDC_TF_TRY(ctx, launch.encode_with_state(codec(), d, x.data(), ptrs.data(),
+    HVDC_TF_TRY(ctx, launch.encode_with_state(codec(), d, x.data(), in_ptrs.data(), ptrs.data(),
                                               static_cast<int64_t>(ptrs.size()), x.NumElements(),
                                               p, payload->data()));
   }

@@ -91,13 +91,13 @@ void check_out(const at::Tensor& out, const at::Tensor& like, const Where& w, co
 
 // A kernel that reads e_in and writes e element by element needs them to be one buffer or
 // apart: a partial overlap would read elements it has already written.
-void check_same_or_apart(const at::Tensor& e_in, const at::Tensor& e) {
+void check_same_or_apart(const at::Tensor& e_in, const at::Tensor& e,
+                         const char* what = "error-feedback residuals e_in and e") {
   const auto* a = static_cast<const char*>(e_in.data_ptr());
   const auto* b = static_cast<const char*>(e.data_ptr());
   const int64_t bytes = e.numel() * e.element_size();
   if (a != b && a < b + bytes && b < a + bytes)
-    throw hvdc::KernelError("error-feedback residuals e_in and e overlap without being the "
-                            "same buffer");
+    throw hvdc::KernelError(std::string(what) + " overlap without being the same buffer");
 }
 
 void check_payload(const at::Tensor& payload, const Where& w, int64_t codec, hvdc::DType d,
@@ -253,26 +253,42 @@ int64_t encoded_bytes(int64_t codec, const at::Tensor& payload, const at::Tensor
   return hvdc::encoded_bytes(c, d, payload.data_ptr(), like.numel(), p);
 }
 
+// state_in (optional): the state before the call, one tensor per state tensor, each either
+// that tensor or memory apart from it; state is then written in full and state_in only read.
 void encode_with_state(int64_t codec, const at::Tensor& x, std::vector<at::Tensor> state,
-                       const hvdc::Params& p, at::Tensor& payload) {
+                       const hvdc::Params& p, at::Tensor& payload,
+                       std::optional<std::vector<at::Tensor>> state_in) {
   const Where w = where_of(x, "gradient");
   HVDC_GUARD(w);
   const auto d = dtype_of(x, "gradient");
   auto xc = x.contiguous();
   check_payload(payload, w, codec, d, xc.numel(), p);
+  if (state_in && state_in->size() != state.size())
+    throw hvdc::KernelError("state_in has " + std::to_string(state_in->size()) +
+                            " tensor(s) for " + std::to_string(state.size()) + " state tensor(s)");
   std::vector<void*> ptrs;
-  for (auto& s : state) {
-    check_out(s, xc, w, "codec state");
-    ptrs.push_back(s.data_ptr());
+  std::vector<const void*> in_ptrs;
+  for (size_t i = 0; i < state.size(); ++i) {
+    check_out(state[i], xc, w, "codec state");
+    ptrs.push_back(state[i].data_ptr());
+    if (state_in) {
+      const at::Tensor& s = (*state_in)[i];
+      check_out(s, xc, w, "codec state_in");
+      check_same_or_apart(s, state[i], "codec state tensors state_in and state");
+      in_ptrs.push_back(s.data_ptr());
+    } else {
+      in_ptrs.push_back(state[i].data_ptr());
+    }
   }
   const auto c = static_cast<hvdc::CodecId>(codec);
   const auto ns = static_cast<int64_t>(ptrs.size());
 #ifdef HVDC_WITH_CUDA
   if (w.cuda)
-    return hvdc::gpu::encode_with_state(c, d, xc.data_ptr(), ptrs.data(), ns, xc.numel(), p,
-                                        payload.data_ptr(), w.stream);
+    return hvdc::gpu::encode_with_state(c, d, xc.data_ptr(), in_ptrs.data(), ptrs.data(), ns,
+                                        xc.numel(), p, payload.data_ptr(), w.stream);
 #endif
-  hvdc::encode_with_state(c, d, xc.data_ptr(), ptrs.data(), ns, xc.numel(), p, payload.data_ptr());
+  hvdc::encode_with_state(c, d, xc.data_ptr(), in_ptrs.data(), ptrs.data(), ns, xc.numel(), p,
+                          payload.data_ptr());
 }
 
 // PowerSGD: M is the 2-D gradient view, P [rows, r] and Qt [r, cols] in its accumulator type.
@@ -687,7 +703,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("powersgd_reconstruct", &powersgd_reconstruct, G(), py::arg("p"), py::arg("qt"),
         py::arg("outs"), py::arg("alpha"), py::arg("subtract"), py::arg("check_finite") = false);
   m.def("encoded_bytes", &encoded_bytes, G());
-  m.def("encode_with_state", &encode_with_state, G());
+  m.def("encode_with_state", &encode_with_state, G(), py::arg("codec"), py::arg("x"),
+        py::arg("state"), py::arg("params"), py::arg("payload"), py::arg("state_in") = py::none());
   m.def("state_count", [](int64_t c) { return hvdc::state_count(static_cast<hvdc::CodecId>(c)); });
   m.def("nesterov", &nesterov, G());
   m.def("cpu_isa", &hvdc::cpu_isa);

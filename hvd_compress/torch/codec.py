@@ -242,8 +242,10 @@ class TorchCodec:
             self._spare_buffers.pop((name, kind), None)
         return held[0]
 
-    def _bucket_rewrite(self, name: str, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A bucket's residual for a kernel that reads it and writes all of it: (src, dst). Where
+    def _bucket_rewrite(self, name: str, like: torch.Tensor,
+                        kind: str = "ef") -> tuple[torch.Tensor, torch.Tensor]:
+        """A bucket's residual (or other elementwise state `kind`) for a kernel that reads it and
+        writes all of it: (src, dst). Where
         every member's slot is a live view of the bucket's buffer that this step has not touched,
         dst is a second buffer of the same layout, which the members' slots move to
         (StateStore.move), and src is left as it was as the step's backup: the kernel's pass
@@ -251,24 +253,24 @@ class TorchCodec:
         (StateStore.rewrite; every piece of a gradient is encoded in the step its gradient
         arrives, so all of the slot is written). Otherwise (the bucket's first step, a slot
         already touched) both are the bucket's state, updated in place after a backup."""
-        gathered = self._gathered[name]
-        if "ef" in gathered:  # a later part of the same step
-            return gathered.get("ef_src", gathered["ef"]), gathered["ef"]
+        gathered, src_key = self._gathered[name], kind + "/src"
+        if kind in gathered:  # a later part of the same step
+            return gathered.get(src_key, gathered[kind]), gathered[kind]
         members, store = self._views[name], self.store
         if len(members) == 1:  # a piece of its member's slot, or all of it: the slot alternates
             m, g, a, b = members[0]
-            src, dst = (t.view(-1)[a:b] for t in store.rewrite(m, "ef", g))
-            gathered["ef"], gathered["ef_src"] = dst, src
+            src, dst = (t.view(-1)[a:b] for t in store.rewrite(m, kind, g))
+            gathered[kind], gathered[src_key] = dst, src
             return src, dst
-        held, other = self._buffers.get((name, "ef")), self._spare_buffers.get((name, "ef"))
-        slots = [store.peek(m, "ef") for m, _, _, _ in members]
+        held, other = self._buffers.get((name, kind)), self._spare_buffers.get((name, kind))
+        slots = [store.peek(m, kind) for m, _, _, _ in members]
         if other is not None and all(s is v for s, v in zip(slots, other[1])):
             # a rolled-back step left the slots in the other buffer
             held, other = other, held
-            self._buffers[name, "ef"], self._spare_buffers[name, "ef"] = held, other
+            self._buffers[name, kind], self._spare_buffers[name, kind] = held, other
         if (held is None or any(s is not v for s, v in zip(slots, held[1]))
-                or not all(store.movable(m, "ef") for m, _, _, _ in members)):
-            e = self._slot(name, "ef", like)
+                or not all(store.movable(m, kind) for m, _, _, _ in members)):
+            e = self._slot(name, kind, like)
             return e, e
         if other is None:
             buffer = torch.empty_like(held[0])
@@ -278,9 +280,9 @@ class TorchCodec:
                 at += s.numel()
             other = (buffer, views)
         for (m, _, _, _), v in zip(members, other[1]):
-            store.move(m, "ef", v)
-        self._buffers[name, "ef"], self._spare_buffers[name, "ef"] = other, held
-        gathered["ef"], gathered["ef_src"] = other[0], held[0]
+            store.move(m, kind, v)
+        self._buffers[name, kind], self._spare_buffers[name, kind] = other, held
+        gathered[kind], gathered[src_key] = other[0], held[0]
         return held[0], other[0]
 
     def _end_bucket(self, name: str) -> None:
@@ -417,9 +419,13 @@ class TorchCodec:
         payload = _C.new_payload(info.kernel_id, x, kp)
         chunked = job.strategy == COMPRESSED_ALLREDUCE
         if state == "worker" and info.state_slots:  # the codec's own state stands in for EF
-            slots = [self._slot(name, s, grad).view(-1)[part.start:part.stop]
+            # Read from one buffer and written to another, as the residual is below: the old
+            # state is the step's backup, and no copy of it is made.
+            bucket = bool(job.members) or name in self._views
+            pairs = [self._bucket_rewrite(name, grad, s) if bucket else self._rewrite(name, s, grad)
                      for s in info.state_slots]
-            _C.encode_with_state(info.kernel_id, x, slots, kp, payload)
+            src, dst = ([t.view(-1)[part.start:part.stop] for t in ts] for ts in zip(*pairs))
+            _C.encode_with_state(info.kernel_id, x, dst, kp, payload, state_in=src)
         elif state == "worker" and cfg.ef == "vanilla" and (job.members or name in self._views):
             # A bucket's lazy scales belong to this step's encoding of it, not to any member:
             # each part's is settled into the residual at once, whatever the parts (whole,

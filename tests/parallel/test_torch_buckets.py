@@ -156,12 +156,14 @@ def test_state_is_keyed_by_parameter_and_a_restart_continues_bit_for_bit(spec):
         oracle.check(reduce(params2, opt2, grads), oracle(grads), f"{spec} at step {step}")
 
 
-@pytest.mark.parametrize("spec", ["onebit,ef=vanilla", "dithering,ef=vanilla,collective=allreduce"])
+@pytest.mark.parametrize("spec", ["onebit,ef=vanilla", "dithering,ef=vanilla,collective=allreduce",
+                                  "dgc,k=0.05"])
 def test_non_finite_bucket_step_leaves_no_trace(spec):
-    """From its second step a bucket's residual is written into a second buffer, the first kept
-    as the step's backup (a bucket of one piece: its member's slot alternates likewise): a
-    skipped step puts the first back, and the steps after it go on alternating, as the
-    oracle's residual says."""
+    """From its second step a bucket's residual (DGC: its velocity and accumulator) is written
+    into a second buffer, the first kept as the step's backup (a bucket of one piece: its
+    member's slot alternates likewise): a skipped step puts the first back, and the steps after
+    it go on alternating, as the oracle's residual says."""
+    state_kinds = hc.parse_spec(spec).info.state_slots or ("ef",)
     params, opt = bucketed(spec)
     oracle = make_oracle(spec)
     store = opt._hvdc_store
@@ -170,7 +172,9 @@ def test_non_finite_bucket_step_leaves_no_trace(spec):
         reduce(params, opt, grads)
         oracle(grads)
     before = opt.compression_state_dict()
-    held = {n: store.peek(n, "ef") for n in ("w", "emb")}
+    # DGC compresses matrices only: "emb" travels uncompressed, its momentum updated in place
+    names = ("w",) if state_kinds != ("ef",) else ("w", "emb")
+    held = {(n, k): store.peek(n, k) for n in names for k in state_kinds}
     bad = step_grads(2)
     bad["w"][0][3, 4] = np.nan
     reduce(params, opt, bad)
@@ -179,13 +183,14 @@ def test_non_finite_bucket_step_leaves_no_trace(spec):
     for name, kinds in before["slots"].items():
         for kind, arr in kinds.items():
             assert same_bits(after["slots"][name][kind], arr), f"{name} {kind}"
-    assert all(store.peek(n, "ef") is t for n, t in held.items())
+    assert all(store.peek(*key) is t for key, t in held.items())
     for step in (3, 4):
         grads = step_grads(step)
         oracle.check(reduce(params, opt, grads), oracle(grads), f"step {step}, after the skip")
-        # "w" shares its bucket, "emb" is in three of its own: both in the other buffer now
-        moved = {n: store.peek(n, "ef") for n in held}
-        assert all(moved[n].data_ptr() != t.data_ptr() for n, t in held.items())
+        # every slot held is in the other buffer now ("w" shares its bucket, "emb" is in three
+        # of its own)
+        moved = {key: store.peek(*key) for key in held}
+        assert all(moved[key].data_ptr() != t.data_ptr() for key, t in held.items())
         held = moved
 
 

@@ -106,6 +106,45 @@ def test_dgc_matches_reference(kw, n, k, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k", [(1, 1), (3000, 30), (600001, 600)])
+@pytest.mark.parametrize("kw", [{}, {"momentum_factor": 0.5, "clip_norm": 5.0}])
+def test_dgc_reads_state_in_and_writes_all_of_the_new_state_elsewhere(kw, n, k, dtype):
+    """How a step keeps its backup without copying the state: state_in is only read, and every
+    element of the state written (NaN before, one element into its buffer) is the new state.
+    600,001 float32 elements are written around the cache after a head up to a boundary."""
+    like = random_grad(1, dtype).dtype
+    u_in, v_in = torch.zeros(n, dtype=like), torch.zeros(n, dtype=like)
+    u_ref, v_ref = t2n(u_in), t2n(v_in)
+    for step in range(3):
+        x = random_grad(n, dtype, seed=7 * n + step)
+        before = [t.clone() for t in (u_in, v_in)]
+        u, v = (torch.full((n + 1,), float("nan"), dtype=like)[1:] for _ in range(2))
+        p = params(k=k, **kw)
+        payload = _C.new_payload(DGC, x, p)
+        _C.encode_with_state(DGC, x, [u, v], p, payload, state_in=[u_in, v_in])
+        want, u_ref, v_ref = ref.dgc_encode(t2n(x), u_ref, v_ref, dtype, k, **kw)
+        assert payload_bytes(payload) == want, f"step {step}"
+        assert same_bits(t2n(u), u_ref) and same_bits(t2n(v), v_ref), f"step {step}"
+        assert same_bits(t2n(u_in), t2n(before[0])) and same_bits(t2n(v_in), t2n(before[1]))
+        u_in, v_in = u, v
+
+
+def test_dgc_refuses_state_in_that_overlaps_the_state_or_does_not_match_it():
+    x, p = torch.ones(100), params(k=5)
+    payload = _C.new_payload(DGC, x, p)
+    buf = torch.zeros(250)
+    with pytest.raises(ValueError, match="state_in and state overlap"):
+        _C.encode_with_state(DGC, x, [buf[:100], buf[150:]], p, payload,
+                             state_in=[buf[50:150], buf[150:]])
+    with pytest.raises(ValueError, match="state_in has 1 tensor"):
+        _C.encode_with_state(DGC, x, [buf[:100], buf[150:]], p, payload,
+                             state_in=[torch.zeros(100)])
+    with pytest.raises(ValueError, match="codec state_in"):
+        _C.encode_with_state(DGC, x, [buf[:100], buf[150:]], p, payload,
+                             state_in=[torch.zeros(99), torch.zeros(100)])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("nonzero", [0, 40, 2000])
 def test_dgc_with_fewer_nonzeros_than_k(nonzero, dtype):
     """A velocity of mostly zeros (an embedding's unused rows): with fewer nonzeros than k the

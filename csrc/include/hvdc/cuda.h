@@ -40,8 +40,9 @@ void aggregate_pair(CodecId codec, DType dtype, const void* own, const int32_t* 
 void ef_encode(CodecId codec, DType dtype, const void* x, const void* e_in, void* e, float* carry,
                int64_t n, const Params& p, void* payload, void* stream);
 void ef_settle(CodecId codec, DType dtype, void* e, float* carry, int64_t n, void* stream);
-void encode_with_state(CodecId codec, DType dtype, const void* x, void* const* state,
-                       int64_t nstate, int64_t n, const Params& p, void* payload, void* stream);
+void encode_with_state(CodecId codec, DType dtype, const void* x, const void* const* state_in,
+                       void* const* state, int64_t nstate, int64_t n, const Params& p,
+                       void* payload, void* stream);
 void nesterov(DType dtype, void* x, void* m, int64_t n, double mu, void* stream);
 
 // Sets *flag (device memory, unsigned) to nonzero when one of the n elements on the device is

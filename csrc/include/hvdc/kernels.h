@@ -115,9 +115,13 @@ void ef_settle(CodecId codec, DType dtype, void* e, float* carry, int64_t n);
 // dgc: g clipped to clip_norm; u = momentum_factor * u + g; v = v + u; the (at most) k largest
 // |v| (threshold from a 1% strided sample, exact top-k when it overshoots) are sent and
 // their u and v entries zeroed (momentum factor masking).
+// state_in holds the state before the call and state is where the new state is written, as
+// ef_encode's e_in and e: the same buffers for an update in place, or others (written in full,
+// state_in only read) so that a step's transaction keeps the old state as its backup.
 int64_t state_count(CodecId codec);
-void encode_with_state(CodecId codec, DType dtype, const void* x, void* const* state,
-                       int64_t nstate, int64_t n, const Params& p, void* payload);
+void encode_with_state(CodecId codec, DType dtype, const void* x, const void* const* state_in,
+                       void* const* state, int64_t nstate, int64_t n, const Params& p,
+                       void* payload);
 
 // PowerSGD passes (csrc/cpu/powersgd.cc). M is rows x cols in the gradient dtype; P (rows x r)
 // and Qt (r x cols, Q transposed) are float32, float64 for float64 gradients.
