@@ -202,7 +202,10 @@ def test_error_feedback_equals_cpu_over_steps(label, kernel, fields, n, dtype):
 @pytest.mark.parametrize("n", [1, 31, 33, 5000, 1_000_007])
 @pytest.mark.parametrize("clip_norm", [0.0, 10.0])
 @pytest.mark.parametrize("density", [0.001, 0.01, 0.5])
-def test_dgc_state_and_payload_equal_cpu(density, clip_norm, n, dtype):
+@pytest.mark.parametrize("apart", [False, True], ids=["in_place", "state_in_apart"])
+def test_dgc_state_and_payload_equal_cpu(apart, density, clip_norm, n, dtype):
+    """apart: the GPU reads the state from state_in and writes it into other buffers (NaN
+    before), as a step that keeps its backup does; the CPU updates in place."""
     k = max(1, round(density * n))
     p = params(k=k, momentum_factor=0.9, clip_norm=clip_norm)
     like = random_grad(n, dtype)
@@ -212,7 +215,12 @@ def test_dgc_state_and_payload_equal_cpu(density, clip_norm, n, dtype):
         x = random_grad(n, dtype, seed=200 + step)
         pl_c, pl_g = _C.new_payload(K["dgc"], x, p), _C.new_payload(K["dgc"], x.to(DEV), p)
         _C.encode_with_state(K["dgc"], x, st_c, p, pl_c)
-        _C.encode_with_state(K["dgc"], x.to(DEV), st_g, p, pl_g)
+        if apart:
+            old = st_g
+            st_g = [torch.full_like(s, float("nan")) for s in old]
+            _C.encode_with_state(K["dgc"], x.to(DEV), st_g, p, pl_g, state_in=old)
+        else:
+            _C.encode_with_state(K["dgc"], x.to(DEV), st_g, p, pl_g)
         assert_same(pl_g, pl_c, f"dgc step {step} payload")
         assert_same(st_g[0], st_c[0], f"dgc step {step} velocity")
         assert_same(st_g[1], st_c[1], f"dgc step {step} accumulator")
