@@ -118,8 +118,8 @@ def ranks_marker(world: int):
     want = os.environ.get("HVDC_RANKS")
     if want and int(want) != world:
         raise RuntimeError(f"launched with {world} rank(s); make asked for {want}")
-    return pytest.mark.skipif(world < 2, reason="multi-rank test: run by `make test` under "
-                              "mpirun and horovodrun --gloo at 2, 3, 4 and 8 ranks")
+    return pytest.mark.skipif(world < 2, reason="multi-rank test: run by `make test` at 2, "
+                              "3, 4 and 8 ranks under mpirun or horovodrun --gloo")
 
 
 def nodes_marker(nodes: int, per_node: int):

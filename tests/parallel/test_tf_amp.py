@@ -1,4 +1,4 @@
-"""Mixed precision in Keras at two ranks (`make test`, under mpirun and horovodrun --gloo):
+"""Mixed precision in Keras at two ranks (`make test`: under horovodrun --gloo, each test once under mpirun):
 Keras' LossScaleOptimizer around our DistributedOptimizer in model.fit, with an overflow on
 one rank. The twin of test_torch_amp.py: the loss scales are powers of two, so a run under a
 changing scale must equal, bit for bit, a run whose scale stays at 2 until the overflow halves

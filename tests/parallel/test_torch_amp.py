@@ -1,5 +1,5 @@
-"""Mixed precision with torch.amp.GradScaler at two ranks, run by `make test` under both
-`mpirun -np 2` and `horovodrun --gloo -np 2`, in the loop Horovod documents (synchronize(),
+"""Mixed precision with torch.amp.GradScaler at two ranks, run by `make test` under
+`mpirun -np 2` (and each test once under `horovodrun --gloo -np 2`), in the loop Horovod documents (synchronize(),
 unscale_(), skip_synchronize()).
 
 The loss scales here are powers of two, and multiplying by a power of two is exact in floating

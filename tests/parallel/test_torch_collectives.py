@@ -1,5 +1,5 @@
 """The collective strategies at any rank count: `make test` runs this module at 2, 3, 4 and 8
-ranks under both `mpirun` and `horovodrun --gloo`.
+ranks (both `mpirun` and `horovodrun --gloo` at 2; one of them at each count above: Makefile).
 
 Each rank computes every rank's gradient from seeds, so the expected result is a numpy
 simulation of the whole scheme (tests/simulation.py), compared bit for bit with what the real

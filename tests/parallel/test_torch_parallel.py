@@ -1,4 +1,5 @@
-"""Two-rank tests, run by `make test` under both `mpirun -np 2` and `horovodrun --gloo -np 2`.
+"""Two-rank tests, run by `make test` in full under `mpirun -np 2` and each test once
+under `horovodrun --gloo -np 2`.
 
 Each rank can compute every rank's gradient (they come from seeds), so the expected aggregate
 is a numpy simulation of the codec over both ranks, checked bit for bit against what the real
