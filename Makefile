@@ -100,9 +100,10 @@ soak: $(STAMP)
 test-elastic: $(STAMP)
 	$(LIMIT) $(PY) $(PYTEST) tests/elastic
 
-# The benchmark scripts end to end on tiny sizes (the network one needs root and namespaces).
+# The benchmark scripts end to end on tiny sizes (the network one needs root and namespaces);
+# the slow ones in bench-quick.
 test-bench: $(STAMP)
-	$(LIMIT) $(PY) $(PYTEST) tests/bench
+	$(LIMIT) $(PY) $(PYTEST) -m "not slow" tests/bench
 
 # On a machine with a GPU and a CUDA build of torch (setup builds the CUDA kernels there): the
 # CUDA kernels against the CPU ones, and their throughput. Not part of `make test`, which CI
@@ -139,6 +140,7 @@ bench-quick: $(STAMP)
 	$(PY) bench/convergence.py --quick
 	$(PY) bench/scaling.py --quick
 	$(PY) bench/network.py --quick
+	$(LIMIT) $(PY) $(PYTEST) -m slow tests/bench
 
 clean:
 	rm -rf build *.egg-info hvd_compress/torch/_C*.so

@@ -5,8 +5,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: long runs (the memory soak); `make soak` runs "
-                                       "them in full, `make test` shortened")
+    config.addinivalue_line("markers", "slow: long runs: the memory soak (`make soak` runs "
+                                       "it in full, `make test` shortened) and the Keras "
+                                       "ResNet-50 bench smoke (`make bench-quick`)")
 
 
 def pytest_collection_modifyitems(config, items):
