@@ -1,6 +1,6 @@
 """Two-rank tests of TF1 graph mode (eager execution disabled, sessions), run in full under
-`horovodrun --gloo -np 2` and each test once under `mpirun -np 2`, in a process of their own: disabling eager
-execution is for the whole process.
+`horovodrun --gloo -np 2` and each test once under `mpirun -np 2`, in a process of their own:
+disabling eager execution is for the whole process.
 
 A script written like Horovod's `tensorflow_mnist.py` builds its train op once and runs it in a
 session that initialises the global variables; the compression state must need nothing more."""

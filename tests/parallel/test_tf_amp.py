@@ -1,8 +1,8 @@
-"""Mixed precision in Keras at two ranks (`make test`: under horovodrun --gloo, each test once under mpirun):
-Keras' LossScaleOptimizer around our DistributedOptimizer in model.fit, with an overflow on
-one rank. The twin of test_torch_amp.py: the loss scales are powers of two, so a run under a
-changing scale must equal, bit for bit, a run whose scale stays at 2 until the overflow halves
-it (Keras' floor: 1), if and only if the compression state follows the scale."""
+"""Mixed precision in Keras at two ranks (`make test`: under horovodrun --gloo, each test once under
+mpirun): Keras' LossScaleOptimizer around our DistributedOptimizer in model.fit, with an overflow
+on one rank. The twin of test_torch_amp.py: the loss scales are powers of two, so a run under a
+changing scale must equal, bit for bit, a run whose scale stays at 2 until the overflow halves it
+(Keras' floor: 1), if and only if the compression state follows the scale."""
 from __future__ import annotations
 
 import horovod.tensorflow.keras as hvd

@@ -1,5 +1,6 @@
-"""Two-rank TensorFlow tests, run in full under `horovodrun --gloo -np 2` and each test once
-under `mpirun -np 2` (in their own process: Horovod's torch and TF libraries are not initialised side by side).
+"""Two-rank TensorFlow tests, run in full under `horovodrun --gloo -np 2` and each test once under
+`mpirun -np 2` (in their own process: Horovod's torch and TF libraries are not initialised side
+by side).
 
 The aggregates are compared bit for bit with the same numpy simulation the torch tests use, so
 TF and PyTorch deliver identical gradients for the same inputs."""

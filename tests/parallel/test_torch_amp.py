@@ -1,6 +1,6 @@
-"""Mixed precision with torch.amp.GradScaler at two ranks, run by `make test` under
-`mpirun -np 2` (and each test once under `horovodrun --gloo -np 2`), in the loop Horovod documents (synchronize(),
-unscale_(), skip_synchronize()).
+"""Mixed precision with torch.amp.GradScaler at two ranks, run by `make test` under `mpirun -np 2`
+(and each test once under `horovodrun --gloo -np 2`), in the loop Horovod documents
+(synchronize(), unscale_(), skip_synchronize()).
 
 The loss scales here are powers of two, and multiplying by a power of two is exact in floating
 point, so a run under a changing loss scale must reach the weights and the (unscaled)
