@@ -40,32 +40,35 @@ test-parallel: $(STAMP)
 	$(LIMIT) $(FIRST) $(MPIRUN) -x HVDC_FIRST_CASES $(PY) $(PYTEST) tests/parallel/test_tf1_graph.py
 
 # The collective strategies at every rank count they must scale to (4 and 8 ranks oversubscribe
-# the 2-core CI machine: the tensors are small and the steps few). Both launchers at 2 ranks;
-# above, one each: Gloo at an odd count, MPI at the powers of two (`make test-ranks-all` runs
-# both at every count, every case).
-RANKS     := 2:mpirun 2:gloo 3:gloo 4:mpirun 8:mpirun
+# the 2-core CI machine: the tensors are small and the steps few), one job per frontend and
+# count: a rank's interpreter start (TensorFlow's import: 56 s for 8 ranks on 2 cores) is paid
+# once for its two modules. MPI at 2 ranks and the powers of two, Gloo at an odd count; Gloo at
+# 2 ranks runs in test-parallel (`make test-ranks-all` runs both launchers at every count,
+# every case).
+RANKS     := 2:mpirun 3:gloo 4:mpirun 8:mpirun
 RANKS_ALL := 2:mpirun 2:gloo 3:mpirun 3:gloo 4:mpirun 4:gloo 8:mpirun 8:gloo
-RANK_TESTS := tests/parallel/test_torch_collectives.py tests/parallel/test_tf_collectives.py \
-              tests/parallel/test_torch_buckets.py tests/parallel/test_tf_buckets.py
 # The two-level strategy: 4 ranks that Horovod's Gloo mode takes for 2 nodes of 2 (tests/nodes.py).
 NODE_TESTS := tests/parallel/test_torch_two_level.py tests/parallel/test_tf_two_level.py
-# $(call RUN_RANKS,count:launcher ...,pattern): a module whose "count:path" matches the pattern
-# runs each test function once (HVDC_FIRST_CASES). test-ranks does so for the bucket modules at
-# 8 ranks, where each rank has a quarter of a core and they took 6 minutes in full: the
-# collectives they feed run in full at 8 ranks in the modules beside them.
-RUN_RANKS = for nl in $(1); do n=$${nl%%:*}; for t in $(RANK_TESTS); do \
-	  first=0; case "$$n:$$t" in $(2)) first=1;; esac; \
-	  echo "== $$t at $$n ranks ($${nl\#*:}$$( [ $$first = 1 ] && echo ', each test once'))"; \
-	  if [ "$${nl\#*:}" = mpirun ]; then \
+# $(call RUN_RANKS,count:launcher ...,pattern): a module whose "count:file" matches the pattern
+# runs each test function once (HVDC_FIRST_CASES). test-ranks does so at 8 ranks, where each
+# rank has a quarter of a core, for the bucket modules (6 minutes in full) and TensorFlow's
+# collectives: the reduction plan is the one both frontends share, and it runs in full at 8
+# ranks in test_torch_collectives.py.
+RUN_RANKS = for nl in $(1); do n=$${nl%%:*}; launcher=$${nl\#*:}; for f in torch tf; do \
+	  mods="tests/parallel/test_$${f}_collectives.py tests/parallel/test_$${f}_buckets.py"; \
+	  first=; for m in $$mods; do case "$$n:$${m\#\#*/}" in $(2)) \
+	    first=$${first:+$$first,}$${m\#\#*/};; esac; done; \
+	  echo "== $$mods at $$n ranks ($$launcher$${first:+; each test once in $$first})"; \
+	  if [ $$launcher = mpirun ]; then \
 	    $(LIMIT) env HVDC_RANKS=$$n HVDC_FIRST_CASES=$$first mpirun --allow-run-as-root \
 	      --oversubscribe -np $$n -x PATH -x HVDC_RANKS -x HVDC_FIRST_CASES \
-	      $(PY) $(PYTEST) $$t || exit 1; \
+	      $(PY) $(PYTEST) $$mods || exit 1; \
 	  else \
 	    $(LIMIT) env HVDC_RANKS=$$n HVDC_FIRST_CASES=$$first horovodrun --gloo -np $$n \
-	      -H localhost:$$n $(PY) $(PYTEST) $$t || exit 1; \
+	      -H localhost:$$n $(PY) $(PYTEST) $$mods || exit 1; \
 	  fi; done; done
 test-ranks: $(STAMP)
-	@$(call RUN_RANKS,$(RANKS),8:*buckets*)
+	@$(call RUN_RANKS,$(RANKS),8:*buckets.py|8:test_tf_collectives.py)
 	@for t in $(NODE_TESTS); do echo "== $$t as 2 nodes x 2 local ranks"; \
 	  $(LIMIT) env HOROVOD_DYNAMIC_PROCESS_SETS=1 HVDC_NODES=1 $(PY) tests/nodes.py --nodes 2 \
 	    --per-node 2 -- $(PY) $(PYTEST) $$t || exit 1; done

@@ -1,6 +1,8 @@
 import os
 import sys
 
+import pytest
+
 sys.path.insert(0, os.path.dirname(__file__))
 
 
@@ -14,13 +16,25 @@ def pytest_collection_modifyitems(config, items):
     """HVDC_FIRST_CASES=1 keeps the first case of each test function: `make test` runs a suite
     in full under one launcher and, under the other, every test once, because what the launcher
     changes (Horovod's transport and controller) is exercised by any case of a test, while the
-    cases themselves multiply the codecs, dtypes and modes that the full run covers already."""
-    if os.environ.get("HVDC_FIRST_CASES") != "1":
+    cases themselves multiply the codecs, dtypes and modes that the full run covers already.
+    A comma-separated list of module file names (test_tf_buckets.py,...) does so for those
+    modules only, so that one job (one interpreter start per rank) runs some modules in full
+    and others each test once."""
+    only = os.environ.get("HVDC_FIRST_CASES", "")
+    if only in ("", "0"):
         return
+    modules = None if only == "1" else set(only.split(","))
+    collected = {os.path.basename(item.nodeid.split("::")[0]) for item in items}
+    if modules is not None and not modules <= collected:
+        raise pytest.UsageError(f"HVDC_FIRST_CASES names {sorted(modules - collected)}, which "
+                                f"this run did not collect; its modules: {sorted(collected)} "
+                                f"(or 1 for all of them)")
     kept, dropped, seen = [], [], set()
     for item in items:
-        key = (item.nodeid.split("::")[0], getattr(item, "originalname", item.name))
-        (dropped if key in seen else kept).append(item)
+        path = item.nodeid.split("::")[0]
+        key = (path, getattr(item, "originalname", item.name))
+        first = modules is None or os.path.basename(path) in modules
+        (dropped if first and key in seen else kept).append(item)
         seen.add(key)
     if dropped:
         config.hook.pytest_deselected(items=dropped)

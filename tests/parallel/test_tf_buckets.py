@@ -1,6 +1,6 @@
 """Gradient buckets in the TensorFlow frontend, the twin of test_torch_buckets.py: `make test` runs
-this module at 2, 3, 4 and 8 ranks (both `mpirun` and `horovodrun --gloo` at 2, one of them at
-each count above).
+this module at 2, 3, 4 and 8 ranks, at 8 each test once, in one job per count with
+test_tf_collectives.py (Makefile).
 
 The oracle is the one the torch tests use (tests/bucket_oracle.py), so both frontends lay out the
 same buckets and deliver the same bits for the same gradients, eagerly and inside tf.function;

@@ -1,7 +1,7 @@
 """The collective strategies at any rank count in the TensorFlow frontend, the twin of
-test_torch_collectives.py: `make test` runs this module at 2, 3, 4 and 8 ranks (both `mpirun` and
-`horovodrun --gloo` at 2, one of them at each count above), in a process of its own (Horovod's
-torch and TF libraries are not initialised side by side).
+test_torch_collectives.py: `make test` runs this module at 2, 3, 4 and 8 ranks, at 8 each test
+once, in one job per count with test_tf_buckets.py and none of the torch modules (Horovod's torch
+and TF libraries are not initialised side by side).
 
 The expected result is the same numpy simulation the torch tests compare with, so TF and
 PyTorch deliver the same bits, chunks and residuals for the same inputs. The reductions run

@@ -1,5 +1,5 @@
 """Gradient buckets (bucket_mb) at any rank count: `make test` runs this module at 2, 3, 4 and 8
-ranks (both `mpirun` and `horovodrun --gloo` at 2; one of them at each count above: Makefile).
+ranks, at 8 each test once, in one job per count with test_torch_collectives.py (Makefile).
 
 The oracle is the layout (hvd_compress.buckets.layout) and, per bucket, the numpy simulation of
 the codec on the concatenation of its members' gradients (tests/simulation.py), every rank's
