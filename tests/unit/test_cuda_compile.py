@@ -113,8 +113,8 @@ def compiles(tmp_path_factory):
     with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
         yield {"bindings": pool.submit(bindings_check, str(out / "include")),
                "cuda": [pool.submit(nvcc_compile, src, str(out / "cuda")) for src in CUDA_SOURCES],
-               "tf": tf and [pool.submit(tf_compile, tf, src, str(out / "tf"))
-                             for src in TF_SOURCES]}
+               "tf": None if tf is None else [pool.submit(tf_compile, tf, src, str(out / "tf"))
+                                              for src in TF_SOURCES]}
 
 
 @pytest.fixture(scope="module")
