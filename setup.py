@@ -58,7 +58,9 @@ def torch_extensions():
     else:
         ext = CppExtension("hvd_compress.torch._C", sources, include_dirs=include,
                            extra_compile_args=CXX_FLAGS)
-    return [ext], {"build_ext": BuildExtension.with_options(use_ninja=False)}
+    # ninja compiles an extension's sources side by side (torch falls back to one by one, with a
+    # warning, where it finds no ninja on PATH).
+    return [ext], {"build_ext": BuildExtension}
 
 
 def find_cuda_home():
@@ -125,9 +127,18 @@ def tensorflow_op_library():
 
 def with_nvcc_sources(base):
     """build_ext that first compiles an extension's `nvcc_sources` with its `nvcc` and links the
-    objects in: setuptools has no CUDA support, and the TF library must build without torch's."""
+    objects in: setuptools has no CUDA support, and the TF library must build without torch's.
+    Each extension gets its own object directory: both compile csrc/cpu, with different flags."""
     class BuildExtWithNvcc(base):
         def build_extension(self, ext):
+            shared_temp = self.build_temp
+            self.build_temp = os.path.join(shared_temp, ext.name)
+            try:
+                self._build_with_nvcc_sources(ext)
+            finally:
+                self.build_temp = shared_temp
+
+        def _build_with_nvcc_sources(self, ext):
             objects = []
             for src in getattr(ext, "nvcc_sources", []):
                 obj = os.path.join(self.build_temp, "nvcc", os.path.splitext(src)[0] + ".o")

@@ -77,7 +77,9 @@ log "building hvd_compress kernels"
 # The editable install only puts the checkout on the path: how it builds extensions depends on
 # the setuptools a dependency left behind, so the kernels are built in place explicitly (and
 # incrementally), then loaded once so a build that produced nothing fails here, not in tests.
-(cd "$ROOT" && "$VPY" -m pip install -q --no-build-isolation --no-deps -e . \
+# The venv's bin is on PATH for its ninja, which lets the build compile side by side.
+(cd "$ROOT" && export PATH="$VENV/bin:$PATH" \
+    && "$VPY" -m pip install -q --no-build-isolation --no-deps -e . \
     && "$VPY" setup.py -q build_ext --inplace)
 # A wheel install puts the HVD_COMPRESSION opt-in (hvd_compress/env.pth) into site-packages
 # (setup.py's build_py); an editable install does not, so it is copied there.
