@@ -118,6 +118,8 @@ test-gpu: $(STAMP)
 
 bench-gpu: $(STAMP)
 	$(PY) bench/codecs.py --device cuda
+	$(PY) bench/device_step.py --device cuda
+	$(PY) bench/device_step.py --device cuda --model transformer
 
 demo: $(STAMP)
 	$(PY) examples/demo.py
@@ -138,6 +140,7 @@ bench: $(STAMP)
 	$(PY) bench/network.py --model transformer --bucket-mb 4 --steps 2
 	$(PY) bench/network.py --model keras-resnet50 --bucket-mb 4 --steps 2
 	$(PY) bench/cost_model.py
+	$(PY) bench/device_step.py
 
 bench-quick: $(STAMP)
 	$(PY) bench/codecs.py --quick

@@ -41,6 +41,22 @@ def perform(requests: list) -> list:
     return [torch.cat([pieces[i][j] for i in range(len(requests))]) for j in range(len(requests))]
 
 
+def drive(gens: list, collective=perform) -> list:
+    """Every rank's plan (collectives.plan) to its end, each collective performed across the
+    ranks as they issue it (by `collective`, perform or a wrapper of it); every rank's result."""
+    requests, results = [next(g) for g in gens], [None] * len(gens)
+    while requests:
+        answers, following = collective(requests), []
+        for r, (g, a) in enumerate(zip(gens, answers)):
+            try:
+                following.append(g.send(a))
+            except StopIteration as done:
+                results[r] = done.value
+        assert len(following) in (0, len(gens)), "ranks issued different collectives"
+        requests = following
+    return results
+
+
 def run(spec: str, world: int, device: torch.device, steps: int = 3, dtype: str = "float32",
         members: tuple = ()):
     """`members`: the job is a bucket of these (name, elements), as the optimizer sends one."""
@@ -67,16 +83,7 @@ def run(spec: str, world: int, device: torch.device, steps: int = 3, dtype: str 
                                   members=members)
             strategy = collectives.choose(job)
             gens.append(collectives.plan(job, codecs[r]))
-        requests, results = [next(g) for g in gens], [None] * world
-        while requests:
-            answers, following = perform(requests), []
-            for r, (g, a) in enumerate(zip(gens, answers)):
-                try:
-                    following.append(g.send(a))
-                except StopIteration as done:
-                    results[r] = done.value
-            assert len(following) in (0, world), "ranks issued different collectives"
-            requests = following
+        results = drive(gens)
         for s in stores:
             s.commit()
         reduced.append([t.detach().cpu().clone() for t in results])

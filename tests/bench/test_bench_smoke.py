@@ -277,3 +277,19 @@ def test_cost_model_recovers_a_known_fit(tmp_path):
         (n, rate) for n in cost_model.RANKS for rate in cost_model.EXTEND_RATES}
     assert all(r["model_ms"] > r["t_compute_ms"] > 0 for r in data["rows"])
     assert "Model, not measurement" in proc.stdout
+
+
+def test_device_step_quick(tmp_path):
+    """Every codec's plans over the model's buckets on the CPU, with the collectives simulated:
+    a row for each, and the bytes rank 0 sends as the payloads it made say."""
+    import device_step
+    run("device_step.py", "--quick", "--out", str(tmp_path), timeout=300)
+    data, rows = outputs(tmp_path, "device_step")
+    assert [r["codec"] for r in rows] == [device_step.BASELINE] + [
+        label for label, _ in device_step.SPECS]
+    wire = {r["codec"]: int(r["wire_bytes"]) for r in rows}
+    raw = data["settings"]["elements"] * 4
+    assert wire[device_step.BASELINE] == raw  # two ranks: a ring allreduce sends it all once
+    assert wire["fp16"] == wire["bf16"] == raw // 2  # every tensor taken, no header
+    assert raw / 32 < wire["onebit"] < raw / 30  # a bit an element, a scale per bucket
+    assert all(float(r["ms_per_rank"]) > 0 for r in rows[1:])
