@@ -2,7 +2,7 @@
 collective the plans issue is performed across the simulated ranks in rank order, as Horovod
 returns it to each. tests/gpu runs it on CUDA against the CPU (the GPU machine has no Horovod);
 tests/unit/test_plan_sim.py runs it on the CPU, so that it keeps driving the plans as the
-optimizer does where no GPU is."""
+optimizer does where no GPU is; bench/device_step.py times a model's plans through it."""
 from __future__ import annotations
 
 import torch
@@ -23,7 +23,7 @@ def perform(requests: list) -> list:
         # Half precision summed in float32 and rounded once, as simulation.py models Horovod's
         # (the collective tests hold it to Horovod at 2 to 8 ranks); Horovod has no bfloat16
         # allreduce, so the plans send those as float32.
-        half = requests[0].tensor.dtype == torch.float16
+        half = first.tensor.dtype == torch.float16
         ts = [r.tensor.float() if r.tensor.dtype in (torch.bfloat16, torch.float16) else r.tensor
               for r in requests]
         out = ts[0].clone()
