@@ -18,7 +18,9 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 KERNEL_SOURCES = sorted(glob.glob(os.path.join("csrc", "cpu", "*.cc")))
 # -ffp-contract=off keeps a*b+c as two roundings, so the kernels match their numpy references
 # bit for bit whatever instructions the compiler picks.
-CXX_FLAGS = ["-O3", "-std=c++17", "-ffp-contract=off", "-fno-math-errno"]
+# -g0 undoes the -g in Python's own CFLAGS: debug information over torch's headers took the
+# bindings from 68 to 118 s of one core, the whole clean build from 140 to 214 s on two.
+CXX_FLAGS = ["-O3", "-g0", "-std=c++17", "-ffp-contract=off", "-fno-math-errno"]
 
 
 CUDA_SOURCES = sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
