@@ -39,6 +39,20 @@ def parameter_name(var, index: int = 0) -> str:
     return name[:-2] if name.endswith(":0") else name
 
 
+def check_unique(names: list[str]) -> None:
+    """State is kept by name: two variables of one name (TF names an unnamed tf.Variable
+    "Variable" every time) would share, and overwrite, one residual."""
+    first: dict[str, int] = {}
+    for i, name in enumerate(names):
+        if name in first:
+            raise ValueError(
+                f"the variables at positions {first[name]} and {i} share the name {name!r}: "
+                f"hvd_compress keeps each one's compression state by name; give them distinct "
+                f"names (tf.Variable(..., name=...)), or key them by position with "
+                f"tape.gradient(..., use_generic_names=True)")
+        first[name] = i
+
+
 def in_plain_graph() -> bool:
     """TF1 graph mode: eager execution disabled and no tf.function being traced."""
     return not tf.executing_eagerly() and not tf.compat.v1.get_default_graph().building_function
@@ -186,6 +200,7 @@ class Reducer:
             grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
                      for g in grads]
         names = names or [parameter_name(v, i) for i, v in enumerate(variables)]
+        check_unique(names)
         self._all_stepping = None
         self.store.begin()
         try:

@@ -690,6 +690,41 @@ def test_local_sources_and_partial_tape_match_horovods(graph):
     assert not np.array_equal(mine[0].numpy(), mine[1].numpy())
 
 
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "function"])
+def test_variables_of_one_name_are_refused_or_keyed_by_position(graph):
+    """Two unnamed variables are both "Variable": keyed by name they would share one residual,
+    so the tape refuses them, saying how to tell them apart; by position each keeps its own,
+    and the gradients are those of two variables of distinct names."""
+    grads = [grads_for_step(300, "float32", k, WORLD)[RANK] for k in range(2)]
+
+    # a spec of its own: one reducer, so one state, per spec
+    spec = f"topk,k={0.15 if graph else 0.2},ef=vanilla"
+
+    def reduced(variables, **kwargs):
+        tape_ = None
+
+        def run():
+            nonlocal tape_
+            with tf.GradientTape() as tape:
+                loss = tf.add_n([tf.reduce_sum(v * g) for v, g in zip(variables, grads)])
+            tape_ = hvdt.DistributedGradientTape(tape, compression=spec, min_compress_bytes=0)
+            return tape_.gradient(loss, variables, **kwargs)
+        out = (tf.function(run) if graph else run)()
+        return [g.numpy() for g in out], tape_._hvdc_reducer.state_dict()["slots"]
+
+    twins = [tf.Variable(tf.zeros([300])), tf.Variable(tf.zeros([300]))]
+    assert twins[0].name == twins[1].name == "Variable:0"
+    with pytest.raises(ValueError, match="the variables at positions 0 and 1 share the name "
+                                         "'Variable'.*use_generic_names=True"):
+        reduced(twins)
+    got, slots = reduced(twins, use_generic_names=True)
+    assert {"source_0", "source_1"} <= set(slots) and "Variable" not in slots
+    assert not np.array_equal(slots["source_0"]["ef"], slots["source_1"]["ef"])
+    want, _ = reduced([tf.Variable(tf.zeros([300]), name=f"twin{k}") for k in range(2)])
+    for a, b in zip(got, want):
+        assert same_bits(a, b)
+
+
 def test_eager_tape_over_watched_tensors():
     """Sources that are tensors, not variables, have no name in eager mode: they are known by
     position (as with use_generic_names), compressed and reduced like variables; with `none`
