@@ -125,6 +125,22 @@ def _decode(payload, step, alpha, dtype, n: int, attrs: dict):
     return tf.cast(out, dtype) if wide else out
 
 
+# Each op costs about a millisecond to trace, for every gradient of a model: a whole tensor
+# is neither split into nor joined from one piece.
+def concat_pieces(pieces: list):
+    return pieces[0] if len(pieces) == 1 else tf.concat(pieces, 0)
+
+
+def split_pieces(flat, sizes: list) -> list:
+    return [flat] if len(sizes) == 1 else tf.split(flat, sizes)
+
+
+def flat_range(t, start: int, stop: int):
+    """Elements [start, stop) of t, flattened: no slice where that is all of them."""
+    flat = tf.reshape(t, [-1])
+    return flat if (start, stop) == (0, t.shape.num_elements()) else flat[start:stop]
+
+
 class BucketSlot:
     """A bucket's elementwise state (hvd_compress.buckets) over its members' own variables: read
     as the concatenation of their elements, assigned back to each member's elements. Stands where
@@ -136,12 +152,11 @@ class BucketSlot:
         self.dtype = members[0][0].dtype
 
     def value(self):
-        return tf.concat([tf.reshape(v, [-1])[a:b] for v, a, b in self._members], 0)
+        return concat_pieces([flat_range(v, a, b) for v, a, b in self._members])
 
     def assign(self, value):
-        flat, at = tf.reshape(value, [-1]), 0
-        for v, a, b in self._members:
-            piece, at = flat[at:at + b - a], at + b - a
+        pieces = split_pieces(tf.reshape(value, [-1]), [b - a for _, a, b in self._members])
+        for (v, a, b), piece in zip(self._members, pieces):
             n = v.shape.num_elements()
             if (a, b) != (0, n):
                 whole = tf.reshape(v, [-1])
@@ -371,7 +386,8 @@ class TFCodec:
             grad = job.extra["grad"]
             variables = [self._slot(job.name, kind, grad) for kind in info.state_slots]
             bounds = part_bounds(job)
-            cuts = [tf.split(tf.reshape(v, [-1]), np.diff(bounds).tolist()) for v in variables]
+            cuts = [split_pieces(tf.reshape(v, [-1]), np.diff(bounds).tolist())
+                    for v in variables]
             held = job.extra["codec_state"] = _CodecState(
                 variables, {(a, b): [c[j] for c in cuts]
                             for j, (a, b) in enumerate(zip(bounds, bounds[1:]))})
@@ -396,13 +412,14 @@ class TFCodec:
             # Cut at the part bounds by one op rather than a slice (and its constants) per part.
             bounds = part_bounds(job)
             parts = len(bounds) - 1
-            cuts = tf.split(tf.reshape(var, [-1]), np.diff(bounds).tolist())
+            cuts = split_pieces(tf.reshape(var, [-1]), np.diff(bounds).tolist())
             carry = self._carry(job.name, parts)
             bucket = job.name in self._views
             res = job.extra["residual"] = _Residual(
                 var, dict(zip(zip(bounds, bounds[1:]), cuts)),
                 carry if self.info.ef_carry and not bucket else None,
-                tf.split(carry, parts) if self.info.ef_carry else [carry] * parts,
+                split_pieces(carry, [self.info.ef_carry] * parts) if self.info.ef_carry
+                else [carry] * parts,
                 settle=self.info.kernel_id if self.info.ef_carry and bucket else None)
         payload, e_new, carry = lib.hvdc_ef_encode(x, res.parts[part.start, part.stop],
                                                    res.carries[part.index], job.step, pres,
@@ -503,15 +520,24 @@ class TFCodec:
     @staticmethod
     def words(job: Job, payload, sizes=None):
         b = tf.reshape(payload, [-1])
-        nbytes = tf.size(b) if sizes is None else tf.reduce_max(sizes)
-        b = tf.pad(b, [[0, nbytes - tf.size(b) + -nbytes % 4]])
+        n = b.shape.num_elements()
+        if sizes is None and n is not None:  # the padding known, as a trace's constant
+            if n % 4:
+                b = tf.pad(b, [[0, -n % 4]])
+        else:
+            nbytes = tf.size(b) if sizes is None else tf.reduce_max(sizes)
+            b = tf.pad(b, [[0, nbytes - tf.size(b) + -nbytes % 4]])
         return tf.bitcast(tf.reshape(b, [-1, 4]), tf.int32)
 
     @staticmethod
     def pair_rows(job: Job, payload, sent, summed, rank: int, sizes=None):
         own = tf.reshape(payload, [-1])
-        m = tf.size(own) if sizes is None else sizes[1 - rank]
-        other = tf.reshape(tf.bitcast(summed - sent, tf.uint8), [-1])[:m]
+        other = tf.reshape(tf.bitcast(summed - sent, tf.uint8), [-1])
+        n = own.shape.num_elements()
+        if sizes is not None or n is None:
+            other = other[:tf.size(own) if sizes is None else sizes[1 - rank]]
+        elif n % 4:
+            other = other[:n]
         return tf.concat([own, other] if rank == 0 else [other, own], 0)
 
     @staticmethod
@@ -570,19 +596,19 @@ class TFCodec:
         held = job.extra.pop("codec_state", None)
         if held is not None:
             for v, new in zip(held.variables, zip(*held.pieces)):
-                v.assign(tf.reshape(tf.concat(new, 0), v.shape))
+                v.assign(tf.reshape(concat_pieces(list(new)), v.shape))
         res = job.extra.pop("residual", None)
         if res is not None:
             if res.settle is not None:
                 res.pieces = [lib.hvdc_ef_settle(e, c, codec=res.settle)[0]
                               for e, c in zip(res.pieces, res.new_carries)]
-            e = tf.concat(res.pieces, 0)
+            e = concat_pieces(res.pieces)
             res.var.assign(tf.reshape(e, res.var.shape))
             self._mask_momentum(job.extra, e)
             if res.carry_var is not None:
-                res.carry_var.assign(tf.concat(res.new_carries, 0))
+                res.carry_var.assign(concat_pieces(res.new_carries))
         grad = job.extra["grad"]
-        return tf.reshape(pieces[0] if len(pieces) == 1 else tf.concat(pieces, 0), grad.shape)
+        return tf.reshape(concat_pieces(pieces), grad.shape)
 
 
 class TFAdapter:
@@ -638,7 +664,6 @@ class TFAdapter:
         return tf.compat.v1.get_default_graph()
 
     def restore_if(self, ran, t: tf.Variable, saved: tf.Variable) -> None:
-        def put_back():
-            t.assign(saved)
-            return tf.constant(True)
-        tf.cond(ran, put_back, lambda: tf.constant(False))
+        # A select, where a tf.cond would skip the copy: this runs only in a step being rolled
+        # back, and a cond per slot, nested in the rollback's, took 50 ms each to trace.
+        t.assign(tf.where(ran, saved, t))

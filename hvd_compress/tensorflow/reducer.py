@@ -19,8 +19,8 @@ from ..spec import (CompressionConfig, momentum_advice, parse_spec, sparse_momen
                     spec_momentum)
 from ..state import StateStore
 from ..stats import CompressionStats
-from .codec import (DTYPE_NAMES, TFAdapter, TFCodec, fields_step, state_variable,
-                    warmup_attrs)
+from .codec import (DTYPE_NAMES, TFAdapter, TFCodec, concat_pieces, fields_step, flat_range,
+                    split_pieces, state_variable, warmup_attrs)
 from .ops import lib
 from .powersgd import PowerSGDReduction
 
@@ -471,8 +471,7 @@ class Reducer:
                 continue
 
             def cat(grads):
-                return tf.concat([tf.reshape(grads[m.name], [-1])[m.start:m.stop]
-                                  for m in present], 0)
+                return concat_pieces([flat_range(grads[m.name], m.start, m.stop) for m in present])
             name = bucket.named(present)
             self.codec.view(name, [(m.name, dense[m.name], m.start, m.stop) for m in present])
             flat = cat(dense)
@@ -480,17 +479,14 @@ class Reducer:
             reduced = self._reduce_one(flat, name, step=steps.get(present[0].name),
                                        members=tuple((m.name, m.n) for m in present),
                                        off=(lambda: cat(off)) if off is not None else None)
-            at = 0
-            for m in present:
-                pieces.setdefault(m.name, []).append(reduced[at:at + m.n])
-                at += m.n
+            for m, piece in zip(present, split_pieces(reduced, [m.n for m in present])):
+                pieces.setdefault(m.name, []).append(piece)
         out = []
         for g, name in zip(grads, names):
             if name not in pieces:
                 out.append(self._reduce_one(g, name))
             else:
-                got = pieces[name]
-                out.append(tf.reshape(got[0] if len(got) == 1 else tf.concat(got, 0), g.shape))
+                out.append(tf.reshape(concat_pieces(pieces[name]), g.shape))
         return out
 
     def _counted(self) -> bool:
