@@ -52,9 +52,9 @@ NODE_TESTS := tests/parallel/test_torch_two_level.py tests/parallel/test_tf_two_
 # $(call RUN_RANKS,count:launcher ...,pattern): a module whose "count:file" matches the pattern
 # runs each test function once (HVDC_FIRST_CASES). test-ranks does so at 8 ranks, where each
 # rank has a quarter of a core, for the bucket modules (6 minutes in full), and for TensorFlow's
-# modules at 4 and 8 ranks (158 s in full at 4, 55 s once each): the reduction plan is the one
-# both frontends share, and it runs in full at 4 and 8 ranks in test_torch_collectives.py and
-# in TensorFlow at 2 and 3.
+# modules at 2, 4 and 8 ranks (158 s in full at 4, 55 s once each): the reduction plan is the
+# one both frontends share, and it runs in full at every count in test_torch_collectives.py
+# and in TensorFlow at 3.
 RUN_RANKS = for nl in $(1); do n=$${nl%%:*}; launcher=$${nl\#*:}; for f in torch tf; do \
 	  mods="tests/parallel/test_$${f}_collectives.py tests/parallel/test_$${f}_buckets.py"; \
 	  first=; for m in $$mods; do case "$$n:$${m\#\#*/}" in $(2)) \
@@ -69,7 +69,7 @@ RUN_RANKS = for nl in $(1); do n=$${nl%%:*}; launcher=$${nl\#*:}; for f in torch
 	      -H localhost:$$n $(PY) $(PYTEST) $$mods || exit 1; \
 	  fi; done; done
 test-ranks: $(STAMP)
-	@$(call RUN_RANKS,$(RANKS),8:*buckets.py|8:test_tf_collectives.py|4:test_tf_*)
+	@$(call RUN_RANKS,$(RANKS),8:*buckets.py|8:test_tf_collectives.py|[24]:test_tf_*)
 	@for t in $(NODE_TESTS); do echo "== $$t as 2 nodes x 2 local ranks"; \
 	  $(LIMIT) env HOROVOD_DYNAMIC_PROCESS_SETS=1 HVDC_NODES=1 $(PY) tests/nodes.py --nodes 2 \
 	    --per-node 2 -- $(PY) $(PYTEST) $$t || exit 1; done
