@@ -42,10 +42,11 @@ test-parallel: $(STAMP)
 # The collective strategies at every rank count they must scale to (4 and 8 ranks oversubscribe
 # the 2-core CI machine: the tensors are small and the steps few), one job per frontend and
 # count: a rank's interpreter start (TensorFlow's import: 56 s for 8 ranks on 2 cores) is paid
-# once for its two modules. MPI at 2 ranks and the powers of two, Gloo at an odd count; Gloo at
-# 2 ranks runs in test-parallel (`make test-ranks-all` runs both launchers at every count,
-# every case).
-RANKS     := 2:mpirun 3:gloo 4:mpirun 8:mpirun
+# once for its two modules. Gloo at 2 ranks, where two ranks' equal payloads travel as a sum
+# (collectives.pair_sum) that only these modules check against the simulation, and at an odd
+# count; MPI at 4 and 8, and at 2 in test-parallel (`make test-ranks-all` runs both launchers
+# at every count, every case).
+RANKS     := 2:gloo 3:gloo 4:mpirun 8:mpirun
 RANKS_ALL := 2:mpirun 2:gloo 3:mpirun 3:gloo 4:mpirun 4:gloo 8:mpirun 8:gloo
 # The two-level strategy: 4 ranks that Horovod's Gloo mode takes for 2 nodes of 2 (tests/nodes.py).
 NODE_TESTS := tests/parallel/test_torch_two_level.py tests/parallel/test_tf_two_level.py

@@ -1,6 +1,6 @@
 """The collective strategies at any rank count: `make test` runs this module at 2, 3, 4 and 8
-ranks, in one job per count with test_torch_buckets.py (`mpirun` at 2, 4 and 8, `horovodrun
---gloo` at 3: Makefile).
+ranks, in one job per count with test_torch_buckets.py (`horovodrun --gloo` at 2 and 3, `mpirun`
+at 4 and 8: Makefile).
 
 Each rank computes every rank's gradient from seeds, so the expected result is a numpy
 simulation of the whole scheme (tests/simulation.py), compared bit for bit with what the real
