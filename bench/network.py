@@ -19,8 +19,10 @@ fp16_compress_hook and powerSGD_hook (the same rank as our powersgd row), and ou
 hvd_compress.torch.DistributedOptimizer. With --model keras-resnet50 the same rows train
 Keras' ResNet-50 through horovod.tensorflow.keras and hvd_compress.tensorflow.keras instead,
 without the DDP rows (they are torch's). Columns per rate: median ms/step of rank 0, speedup over
-uncompressed Horovod at that rate, and bytes rank 0 sent per step as counted by its veth
-(/proc/net/dev: payload plus TCP/IP headers). With --rounds N the table runs N times, the rows
+uncompressed Horovod at that rate, the CPU time rank 0's process spent per timed step (all its
+threads; its main thread's in parentheses: when both ranks share the machine's cores, a row
+whose CPU time is about its step time lost on the CPU, not on the link), and bytes rank 0 sent
+per step as counted by its veth (/proc/net/dev: payload plus TCP/IP headers). With --rounds N the table runs N times, the rows
 in reverse order every other time, so that a machine drifting during the run weighs on every
 row alike; a row then shows its median ms/step, the median of the speedups each round measured
 against its own baseline, and the lowest and highest of them. Horovod runs over Gloo (no MPI launcher can
@@ -294,19 +296,26 @@ def torch_step(model, opt, batch):
 
 
 def time_steps(step, opts, iface, sync):
+    """The median step time, the bytes sent per step, and the CPU the process (every thread:
+    the framework's, Horovod's or DDP's, ours) and its main thread spent per step. Ranks that
+    share a machine's cores show here whether a row lost on the wire or on the CPU."""
     times = []
     for i in range(opts["warmup"] + opts["steps"]):
         if i == opts["warmup"]:
             sync()
             sent = tx_bytes(iface)
+            cpu, main = time.process_time(), time.thread_time()
         t0 = time.perf_counter()
         step()
         times.append(time.perf_counter() - t0)
+    cpu, main = time.process_time() - cpu, time.thread_time() - main
     sync()
     sent = tx_bytes(iface) - sent
     timed = times[opts["warmup"]:]
     return {"ms_per_step": 1e3 * statistics.median(timed),
-            "bytes_per_step": sent // opts["steps"]}
+            "bytes_per_step": sent // opts["steps"],
+            "cpu_ms_per_step": 1e3 * cpu / opts["steps"],
+            "main_cpu_ms_per_step": 1e3 * main / opts["steps"]}
 
 
 def horovod_worker(args):
@@ -365,8 +374,8 @@ def step0_quantile(g, tensor, hvd):
 def shown(rank, label, spec, r):
     """The row's result, printed by rank 0 as it comes."""
     if rank == 0:
-        print(f"  {label:32s} {r['ms_per_step']:10.1f} ms/step {r['bytes_per_step']:14,d} B/step",
-              flush=True)
+        print(f"  {label:32s} {r['ms_per_step']:10.1f} ms/step {r['bytes_per_step']:14,d} B/step"
+              f" {r['cpu_ms_per_step']:8.0f} CPU ms/step", flush=True)
     return {"row": label, "spec": spec, **r}
 
 
@@ -484,6 +493,8 @@ def collapse(rows, base):
         out.append({"rate": rate, "row": label, "spec": rs[0]["spec"],
                     "ms_per_step": statistics.median(r["ms_per_step"] for r in rs),
                     "bytes_per_step": int(statistics.median(r["bytes_per_step"] for r in rs)),
+                    **{k: statistics.median(r[k] for r in rs)
+                       for k in ("cpu_ms_per_step", "main_cpu_ms_per_step")},
                     "speedup": statistics.median(speedups), "speedup_low": min(speedups),
                     "speedup_high": max(speedups), "rounds": len(rs)})
     return out
@@ -493,12 +504,14 @@ def report(rows, rates, settings, out_dir, table=ROWS, name="network"):
     by = {(r["rate"], r["row"]): r for r in rows}
     labels = [label for label, _, _ in table if any(r["row"] == label for r in rows)]
     spread = settings.get("rounds", 1) > 1
-    cols = ("ms/step", "speedup") + (("speedup range",) if spread else ()) + ("bytes/step",)
+    cols = ("ms/step", "speedup") + (("speedup range",) if spread else ()) + (
+        "cpu ms/step (main thread)", "bytes/step")
     header = ["row"] + [f"{rate} {c}" for rate in rates for c in cols]
 
     def cells(r):
         return [f"{r['ms_per_step']:.1f}", f"{r['speedup']:.2f}x"] + (
             [f"{r['speedup_low']:.2f}-{r['speedup_high']:.2f}x"] if spread else []) + [
+            f"{r['cpu_ms_per_step']:.0f} ({r['main_cpu_ms_per_step']:.0f})",
             f"{r['bytes_per_step']:,}"]
     lines = [[label] + [x for rate in rates for x in cells(by[(rate, label)])]
              for label in labels]

@@ -147,12 +147,14 @@ def test_network_quick(tmp_path):
                                                            if how == "ddp"]
     assert all(r["rate"] == "1gbit" and float(r["ms_per_step"]) > 0 for r in rows)
     assert all(int(r["bytes_per_step"]) > 0 for r in rows)
+    # every thread's CPU includes the main thread's, and a step takes some of both
+    assert all(0 < float(r["main_cpu_ms_per_step"]) <= float(r["cpu_ms_per_step"]) for r in rows)
     base = next(r for r in rows if r["row"] == network.ROWS[0][0])
     assert float(base["speedup"]) == 1.0
     assert data["settings"]["rounds"] == 2 and all(int(r["rounds"]) == 2 for r in rows)
     assert all(float(r["speedup_low"]) <= float(r["speedup"]) <= float(r["speedup_high"])
                for r in rows)
-    assert "speedup range" in proc.stdout
+    assert "speedup range" in proc.stdout and "cpu ms/step (main thread)" in proc.stdout
     # every namespace it made is gone
     after = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert [line for line in after.splitlines() if "hvdc-bench-" in line] == \
