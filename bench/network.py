@@ -7,6 +7,7 @@ that tc shapes to 100 Mbit/s, 1 Gbit/s and 10 Gbit/s, training a communication-h
     sudo python bench/network.py --model resnet50 --bucket-mb 4   # models.py's ResNet-50
     sudo python bench/network.py --model keras-resnet50 --bucket-mb 4   # the TF/Keras frontend
     sudo python bench/network.py --rounds 3   # every row three times, in alternating order
+    sudo python bench/network.py --cycle-time-ms 5   # Horovod's cycle time, for every Horovod row
 
 With --layout 2x2 each namespace is a node running two ranks (Horovod's local and cross ranks
 set as horovodrun would on two hosts): ranks of one node talk over its loopback, unshaped, and
@@ -555,6 +556,9 @@ def main():
     ap.add_argument("--select", default=None,
                     help="comma-separated words: only the rows whose label contains one of "
                          "them (with the Horovod rows for reference), e.g. two-level,fp16")
+    ap.add_argument("--cycle-time-ms", type=float, default=None,
+                    help="HOROVOD_CYCLE_TIME for every Horovod and hvd_compress row, the "
+                         "baseline included (default: the environment's, else Horovod's 1 ms)")
     ap.add_argument("--rendezvous", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--per-node", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--worker", choices=["horovod", "ddp"], help=argparse.SUPPRESS)
@@ -576,6 +580,11 @@ def main():
         sys.exit(f"unknown rate(s) {unknown}; valid: {', '.join(RATES)}")
     if args.rounds < 1:
         sys.exit(f"--rounds must be 1 or more, got {args.rounds}")
+    if args.cycle_time_ms is not None:
+        if not args.cycle_time_ms > 0:
+            sys.exit(f"--cycle-time-ms must be above 0, got {args.cycle_time_ms}")
+        os.environ["HOROVOD_CYCLE_TIME"] = f"{args.cycle_time_ms:g}"  # launch() passes it on
+    cycle_ms = float(os.environ.get("HOROVOD_CYCLE_TIME", 1))
     params_m = {"resnet50": 25.557032, "transformer": 108.9, "keras-resnet50": 25.583592}.get(
         args.model, args.params_m or (6.0 if args.quick else 25.0))
     opts = {"model": args.model, "params_m": params_m, "bucket_mb": args.bucket_mb,
@@ -618,7 +627,7 @@ def main():
                         rows += [{"rate": rate, "round": k, **r} for r in json.load(f)[::order]]
     rows = collapse(rows, table[0][0])
     settings = {**opts, "rates": rates, "ranks": 2 * per_node, "layout": args.layout,
-                "rounds": args.rounds,
+                "rounds": args.rounds, "horovod_cycle_time_ms": cycle_ms,
                 "threads_per_rank": 1,
                 "network": "veth pair between two namespaces, tc tbf on both ends"}
     name = "network" if args.layout == "1x2" else f"network_{args.layout}"
@@ -626,6 +635,8 @@ def main():
         name += f"_{args.model}"
     if args.bucket_mb:
         name += f"_buckets{args.bucket_mb:g}mb"
+    if cycle_ms != 1:
+        name += f"_cycle{cycle_ms:g}ms"
     report(rows, rates, settings, args.out, table, name)
 
 

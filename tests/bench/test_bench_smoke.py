@@ -162,15 +162,23 @@ def test_network_quick(tmp_path):
     assert "speedup" in proc.stdout
 
 
+@pytest.mark.parametrize("value", ["0", "-1", "nan"])
+def test_network_refuses_a_cycle_time_that_is_not_positive(value):
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "network.py"),
+                           "--cycle-time-ms", value], capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "--cycle-time-ms must be above 0" in proc.stderr
+
+
 @pytest.mark.skipif(NETWORK_UNAVAILABLE is not None, reason=f"{NETWORK_UNAVAILABLE}")
 def test_network_two_nodes_of_two_quick(tmp_path):
-    """The 4-rank layout: two namespaces of two ranks, the two-level rows included."""
+    """The 4-rank layout: two namespaces of two ranks, the two-level rows included; Horovod's
+    cycle time as asked, named in the files."""
     import network
     run("network.py", "--layout", "2x2", "--quick", "--params-m", "0.1", "--steps", "1",
-        "--rates", "10gbit", "--out", str(tmp_path))
-    data, rows = outputs(tmp_path, "network_2x2")
+        "--rates", "10gbit", "--cycle-time-ms", "2.5", "--out", str(tmp_path))
+    data, rows = outputs(tmp_path, "network_2x2_cycle2.5ms")
     assert [r["row"] for r in rows] == [label for label, _, _ in network.ROWS_2X2]
-    assert data["settings"]["ranks"] == 4
+    assert data["settings"]["ranks"] == 4 and data["settings"]["horovod_cycle_time_ms"] == 2.5
     assert all(float(r["ms_per_step"]) > 0 and int(r["bytes_per_step"]) > 0 for r in rows)
 
 
