@@ -23,8 +23,8 @@ without the DDP rows (they are torch's). Columns per rate: median ms/step of ran
 uncompressed Horovod at that rate, the CPU time rank 0's process spent per timed step (all its
 threads; its main thread's in parentheses: when both ranks share the machine's cores, a row
 whose CPU time is about its step time lost on the CPU, not on the link), and bytes rank 0 sent
-per step as counted by its veth (/proc/net/dev: payload plus TCP/IP headers). With --rounds N the table runs N times, the rows
-in reverse order every other time, so that a machine drifting during the run weighs on every
+per step as counted by its veth (/proc/net/dev: payload plus TCP/IP headers). With --rounds N
+the table runs N times, the rows in reverse order every other time, so that a machine drifting during the run weighs on every
 row alike; a row then shows its median ms/step, the median of the speedups each round measured
 against its own baseline, and the lowest and highest of them. Horovod runs over Gloo (no MPI launcher can
 cross the namespaces); the ranks get the same rendezvous that horovodrun would give them.
@@ -580,11 +580,16 @@ def main():
         sys.exit(f"unknown rate(s) {unknown}; valid: {', '.join(RATES)}")
     if args.rounds < 1:
         sys.exit(f"--rounds must be 1 or more, got {args.rounds}")
-    if args.cycle_time_ms is not None:
-        if not args.cycle_time_ms > 0:
-            sys.exit(f"--cycle-time-ms must be above 0, got {args.cycle_time_ms}")
-        os.environ["HOROVOD_CYCLE_TIME"] = f"{args.cycle_time_ms:g}"  # launch() passes it on
-    cycle_ms = float(os.environ.get("HOROVOD_CYCLE_TIME", 1))
+    cycle = (args.cycle_time_ms if args.cycle_time_ms is not None
+             else os.environ.get("HOROVOD_CYCLE_TIME", "1"))
+    try:
+        cycle_ms = float(cycle)
+    except ValueError:
+        cycle_ms = float("nan")
+    if not cycle_ms > 0:
+        sys.exit(f"--cycle-time-ms must be above 0 (HOROVOD_CYCLE_TIME where it is not given), "
+                 f"got {cycle!r}")
+    os.environ["HOROVOD_CYCLE_TIME"] = f"{cycle_ms:g}"  # launch() passes it on
     params_m = {"resnet50": 25.557032, "transformer": 108.9, "keras-resnet50": 25.583592}.get(
         args.model, args.params_m or (6.0 if args.quick else 25.0))
     opts = {"model": args.model, "params_m": params_m, "bucket_mb": args.bucket_mb,

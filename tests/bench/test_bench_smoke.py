@@ -162,11 +162,18 @@ def test_network_quick(tmp_path):
     assert "speedup" in proc.stdout
 
 
-@pytest.mark.parametrize("value", ["0", "-1", "nan"])
-def test_network_refuses_a_cycle_time_that_is_not_positive(value):
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "network.py"),
-                           "--cycle-time-ms", value], capture_output=True, text=True, timeout=60)
+@pytest.mark.parametrize("flag,env", [("0", None), ("-1", None), ("nan", None),
+                                      (None, "0"), (None, "fast")])
+def test_network_refuses_a_cycle_time_that_is_not_positive(flag, env):
+    """From the flag, or from HOROVOD_CYCLE_TIME without it, before anything is set up."""
+    environ = {k: v for k, v in os.environ.items() if k != "HOROVOD_CYCLE_TIME"}
+    if env is not None:
+        environ["HOROVOD_CYCLE_TIME"] = env
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "network.py")]
+                          + (["--cycle-time-ms", flag] if flag is not None else []),
+                          capture_output=True, text=True, timeout=60, env=environ)
     assert proc.returncode != 0 and "--cycle-time-ms must be above 0" in proc.stderr
+    assert repr(env if flag is None else float(flag)) in proc.stderr
 
 
 @pytest.mark.skipif(NETWORK_UNAVAILABLE is not None, reason=f"{NETWORK_UNAVAILABLE}")
