@@ -11,10 +11,12 @@ in Horovod. Only the per-parameter reduction is ours:
     2. compress p in a kernel (EF: e = p - D(C(p)) in the same call);
     3. issue the first collective of the strategy chosen for this tensor
        (hvd_compress.collectives: allreduce, allgather or the compressed allreduce's alltoall)
-       asynchronously, overlapped with the rest of backward;
-    4. in synchronize(): every tensor's plan is moved on by one collective (the compressed
-       allreduce's owners reduce and issue their allgather) before any is waited on to the
-       end, then decoded into the gradient.
+       asynchronously, overlapped with the rest of backward; at each later gradient, the
+       plans whose collective has finished are moved on (their next collective issued, or
+       their result decoded) without waiting for any;
+    4. in synchronize(): every tensor's plan that backward did not move is moved on by one
+       collective (the compressed allreduce's owners reduce and issue their allgather) before
+       any is waited on to the end, then decoded into the gradient.
 
 Each step is a transaction on the state store (StateStore.begin): it opens at the step's first
 reduction and is committed by step(). It is rolled back in synchronize() when a reduced gradient
@@ -26,6 +28,7 @@ Tensors under `min_compress_bytes` go through Horovod's plain allreduce, as do s
 """
 from __future__ import annotations
 
+import collections
 import os
 import warnings
 from typing import Any
@@ -105,6 +108,8 @@ class _CompressedReduction:
         self._hvdc_pieces: dict[Any, list[buckets.Bucket]] = {}
         self._hvdc_filling: dict[int, dict[str, tuple]] = {}
         self._hvdc_flights: dict[int, tuple] = {}
+        # This step's plans in flight, oldest first: moved on during backward as they finish.
+        self._hvdc_moving: collections.deque = collections.deque()
         if bucket_bytes and member and config.codec != "none" and config.info.rounds == 1:
             self._hvdc_plan_buckets(bucket_bytes)
 
@@ -128,6 +133,22 @@ class _CompressedReduction:
                 self._hvdc_pieces.setdefault(by_name[m.name], []).append(bucket)
 
     def _allreduce_grad_async(self, p):
+        routed = self._hvdc_route(p)
+        self._hvdc_advance()
+        return routed
+
+    def _hvdc_advance(self) -> None:
+        """Moves on the plans whose collective has finished, oldest first, stopping at the
+        first still in flight: a plan of several collectives (threshold's sizes, then its
+        payloads) then sends the next during backward instead of after it."""
+        moving = self._hvdc_moving
+        while moving and moving[0].ready():
+            plan = moving.popleft()
+            plan.prepare()
+            if not plan.done:
+                moving.append(plan)
+
+    def _hvdc_route(self, p):
         if self._hvdc_synced:  # the last step was synchronized but never taken
             self._hvdc_abandon()
         if not self._hvdc_store.in_step:
@@ -138,6 +159,7 @@ class _CompressedReduction:
                     self.compression_state_dict()))
             self._hvdc_store.begin()
             self._hvdc_filling, self._hvdc_flights = {}, {}
+            self._hvdc_moving.clear()
             self._hvdc_codec.drop_views()
             scaler = self._hvdc_scaler
             if scaler is not None and scaler.is_enabled():  # the scale these gradients carry
@@ -174,6 +196,7 @@ class _CompressedReduction:
                               fields_step=step, nodes=self._hvdc_nodes, gloo=self._hvdc_gloo, extra={"grad": grad})
         collectives.choose(job)
         pending = PendingPlan(collectives.plan(job, self._hvdc_codec), self._hvdc_groups, job)
+        self._hvdc_moving.append(pending)
         self._hvdc_stats.record(name, job.info.name, grad.numel() * grad.element_size(),
                                 job.payload_bytes, job.strategy, job.wire_bytes)
         return pending, None
@@ -215,8 +238,9 @@ class _CompressedReduction:
         for m in members:
             offsets[m.name] = (at, m.n)
             at += m.n
-        self._hvdc_flights[bucket.index] = (
-            PendingPlan(collectives.plan(job, self._hvdc_codec), self._hvdc_groups, job), offsets)
+        pending = PendingPlan(collectives.plan(job, self._hvdc_codec), self._hvdc_groups, job)
+        self._hvdc_flights[bucket.index] = (pending, offsets)
+        self._hvdc_moving.append(pending)
         self._hvdc_stats.record(name, job.info.name, flat.numel() * flat.element_size(),
                                 job.payload_bytes, job.strategy, job.wire_bytes)
 
@@ -302,15 +326,18 @@ class _CompressedReduction:
         for bucket in {b.index: b for bs in self._hvdc_pieces.values() for b in bs}.values():
             if bucket.index in self._hvdc_filling and bucket.index not in self._hvdc_flights:
                 self._hvdc_launch(bucket)
-        # Every plan is moved on by one collective before Horovod's loop waits on any result,
-        # so that second collectives (two-round codecs, the compressed allreduce's allgather)
-        # overlap each other. A bucket's plan is moved once, whatever its member count.
+        # Every plan that backward did not move is moved on by one collective before Horovod's
+        # loop waits on any result, so that second collectives (two-round codecs, the
+        # compressed allreduce's allgather) overlap each other. A bucket's plan is moved once,
+        # whatever its member count.
         moved = set()
         for handle, _ in list(self._handles.values()):
             for plan in getattr(handle, "plans", (handle,)):
-                if hasattr(plan, "prepare") and id(plan) not in moved:
+                if (hasattr(plan, "prepare") and id(plan) not in moved
+                        and not getattr(plan, "moved", False)):
                     moved.add(id(plan))
                     plan.prepare()
+        self._hvdc_moving.clear()
         checked = [(p, h) for p, (h, _) in self._handles.items()
                    if isinstance(h, (PowerSGDMember, PendingPlan))]
         everything = self._requires_update
@@ -493,7 +520,16 @@ class PendingPlan:
     def __init__(self, gen, groups, job=None):
         self._gen, self._groups, self._job = gen, groups, job
         self._done, self._result = False, None
+        self.moved = False  # moved on at least once
         self._issue(next(gen))
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+    def ready(self) -> bool:
+        """Whether prepare() would not wait: the collective in flight has finished."""
+        return self._done or hvd.poll(self._handle)
 
     @property
     def finite(self) -> bool | None:
@@ -521,6 +557,7 @@ class PendingPlan:
     def prepare(self) -> None:
         if self._done:
             return
+        self.moved = True
         out = wait(self._handle)
         if isinstance(out, tuple):  # alltoall: (received, received splits)
             out = out[0]

@@ -9,6 +9,8 @@ slots (placed as consecutive views of one buffer per bucket) are checked too.
 """
 from __future__ import annotations
 
+import time
+
 import horovod.torch as hvd
 import numpy as np
 import pytest
@@ -282,6 +284,30 @@ def test_a_bucket_is_sent_when_its_last_gradient_arrives_during_backward():
     assert sorted(opt._hvdc_flights) == [0, 1, 2, 3]
     opt.synchronize()
     oracle.check({n: t2n(p.grad) for n, p in params.items()}, oracle(grads), "overlap")
+
+
+@pytest.mark.parametrize("spec", ["threshold,threshold=1.5,ef=vanilla", "topk,k=0.05,ef=vanilla",
+                                  "dithering,ef=vanilla,collective=allreduce"])
+def test_buckets_whose_collective_finished_move_on_at_the_next_gradient(spec):
+    """A plan's next step (threshold's payloads after its sizes between two Gloo ranks, the
+    compressed allreduce's allgather after its alltoall, or the decode) is taken at the first
+    gradient after its collective finishes, during backward, not left to synchronize()."""
+    params, opt = bucketed(spec)
+    oracle = make_oracle(spec)
+    grads = step_grads(0)
+    opt.zero_grad()
+    (params["emb"] * torch.from_numpy(grads["emb"][RANK])).sum().backward()
+    plans = [opt._hvdc_flights[i][0] for i in (0, 1, 2)]
+    assert not any(p.moved for p in plans)
+    deadline = time.monotonic() + 60
+    while not all(p.ready() for p in plans):
+        assert time.monotonic() < deadline, "the buckets' first collectives did not finish"
+        time.sleep(0.001)
+    (params["w"] * torch.from_numpy(grads["w"][RANK])).sum().backward()
+    assert all(p.moved for p in plans)
+    sum((params[n] * torch.from_numpy(grads[n][RANK])).sum() for n in ("v", "bias")).backward()
+    opt.synchronize()
+    oracle.check({n: t2n(p.grad) for n, p in params.items()}, oracle(grads), "moved in backward")
 
 
 @pytest.mark.parametrize("spec", ["onebit,ef=vanilla", "minmax8,chunk=64",
