@@ -26,8 +26,13 @@ whose CPU time is about its step time lost on the CPU, not on the link), and byt
 per step as counted by its veth (/proc/net/dev: payload plus TCP/IP headers). With --rounds N
 the table runs N times, the rows in reverse order every other time, so that a machine drifting during the run weighs on every
 row alike; a row then shows its median ms/step, the median of the speedups each round measured
-against its own baseline, and the lowest and highest of them. Horovod runs over Gloo (no MPI launcher can
-cross the namespaces); the ranks get the same rendezvous that horovodrun would give them.
+against its own baseline, and the lowest and highest of them. Within a round the baseline runs
+first, after every BASE_EVERY rows and last, and each Horovod row's speedup is against the mean
+of the baseline's runs on either side of it: on a shared VM the baseline alone moved by 15%
+between rounds, and one run of it set every speedup of its round. DDP's rows, a job of their
+own, are measured against the median of the round's baseline runs. Horovod runs over Gloo (no
+MPI launcher can cross the namespaces); the ranks get the same rendezvous that horovodrun would
+give them.
 
 Needs root (namespaces, tc). The namespaces are deleted on exit, on failure and on Ctrl-C, and
 ones left by a run that was killed outright are removed by the next run.
@@ -84,6 +89,7 @@ ROWS_2X2 = [("horovod, no compression", "horovod", "none"),
                         ("two-level", "hierarchical=true"),
                         ("two-level fp16", "hierarchical=fp16"))]
 LAYOUTS = {"1x2": (1, ROWS), "2x2": (2, ROWS_2X2)}  # ranks per node, rows
+BASE_EVERY = 4  # rows between two runs of the baseline in a round
 
 
 # ---- the namespaces -------------------------------------------------------------------------
@@ -481,23 +487,45 @@ def ddp_worker(args):
 
 
 # ---- the report -----------------------------------------------------------------------------
+def bracketed(rows):
+    """The Horovod rows of a round in the order they ran, with the baseline (rows[0]) first,
+    after every BASE_EVERY of the others and last."""
+    base, rest = rows[0], rows[1:]
+    out = [base]
+    for i in range(0, len(rest), BASE_EVERY):
+        out += rest[i:i + BASE_EVERY] + [base]
+    return out
+
+
+def against_bracket(results, base):
+    """results (one round's, in the order they ran) with each row's base_ms: the mean of the
+    baseline's runs just before and just after it (the baseline's own runs: themselves)."""
+    at = [i for i, r in enumerate(results) if r["row"] == base]
+    for i, r in enumerate(results):
+        near = [results[j]["ms_per_step"] for j in (max((j for j in at if j <= i), default=None),
+                                                    min((j for j in at if j >= i), default=None))
+                if j is not None]
+        r["base_ms"] = statistics.fmean(near)
+    return results
+
+
 def collapse(rows, base):
     """One row per rate and row over the rounds: the median ms/step and bytes/step, and the
-    median, lowest and highest of the speedups each round measured against its own `base`."""
-    base_ms = {(r["rate"], r["round"]): r["ms_per_step"] for r in rows if r["row"] == base}
+    median, lowest and highest of the speedups each round measured against its base_ms (the
+    baseline's runs around it)."""
     runs: dict[tuple, list] = {}
     for r in rows:  # in the first round's order
         runs.setdefault((r["rate"], r["row"]), []).append(r)
     out = []
     for (rate, label), rs in runs.items():
-        speedups = [base_ms[rate, r["round"]] / r["ms_per_step"] for r in rs]
+        speedups = [r["base_ms"] / r["ms_per_step"] for r in rs]
         out.append({"rate": rate, "row": label, "spec": rs[0]["spec"],
                     "ms_per_step": statistics.median(r["ms_per_step"] for r in rs),
                     "bytes_per_step": int(statistics.median(r["bytes_per_step"] for r in rs)),
                     **{k: statistics.median(r[k] for r in rs)
                        for k in ("cpu_ms_per_step", "main_cpu_ms_per_step")},
                     "speedup": statistics.median(speedups), "speedup_low": min(speedups),
-                    "speedup_high": max(speedups), "rounds": len(rs)})
+                    "speedup_high": max(speedups), "rounds": len({r["round"] for r in rs})})
     return out
 
 
@@ -620,16 +648,22 @@ def main():
                 return 600 + len(rows) * (steps_s + 60)
             for k in range(args.rounds):
                 order = 1 if k % 2 == 0 else -1
-                hv = [r for r in table if r[1] != "ddp"][::order]
+                hv = [r for r in table if r[1] != "ddp"]
+                hv = bracketed(hv[:1] + hv[1:][::order])
                 run_horovod(link, hv, opts, os.path.join(tmp, "h.json"), timeout(hv), per_node)
-                parts = ["h.json"]
+                with open(os.path.join(tmp, "h.json")) as f:
+                    ran = against_bracket(json.load(f), table[0][0])
+                # in the table's order (the baseline's runs first), as every round lists them
+                place = {label: i for i, (label, _, _) in enumerate(table)}
+                ran.sort(key=lambda r: place[r["row"]])
                 ddp = [r for r in table if r[1] == "ddp"][::order]
                 if ddp:
                     run_ddp(link, ddp, opts, os.path.join(tmp, "d.json"), timeout(ddp))
-                    parts.append("d.json")
-                for part in parts:
-                    with open(os.path.join(tmp, part)) as f:
-                        rows += [{"rate": rate, "round": k, **r} for r in json.load(f)[::order]]
+                    base_ms = statistics.median(r["ms_per_step"] for r in ran
+                                                if r["row"] == table[0][0])
+                    with open(os.path.join(tmp, "d.json")) as f:
+                        ran += [{**r, "base_ms": base_ms} for r in json.load(f)[::order]]
+                rows += [{"rate": rate, "round": k, **r} for r in ran]
     rows = collapse(rows, table[0][0])
     settings = {**opts, "rates": rates, "ranks": 2 * per_node, "layout": args.layout,
                 "rounds": args.rounds, "horovod_cycle_time_ms": cycle_ms,

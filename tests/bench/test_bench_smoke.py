@@ -162,6 +162,24 @@ def test_network_quick(tmp_path):
     assert "speedup" in proc.stdout
 
 
+def test_network_measures_each_row_against_the_baseline_runs_around_it():
+    """The baseline runs first, after every BASE_EVERY rows and last; a row's base is the mean
+    of the baseline's runs on either side of it, the baseline's own runs their own."""
+    import network
+    table = [("base", "horovod", "none")] + [(f"r{i}", "ours", "fp16") for i in range(6)]
+    order = network.bracketed(table)
+    every = network.BASE_EVERY
+    assert [label for label, _, _ in order] == (
+        ["base"] + [f"r{i}" for i in range(every)] + ["base"]
+        + [f"r{i}" for i in range(every, 6)] + ["base"])
+    ms = {0: 100.0, every + 1: 140.0, len(order) - 1: 120.0}
+    results = [{"row": label, "ms_per_step": ms.get(i, 50.0 + i)}
+               for i, (label, _, _) in enumerate(order)]
+    network.against_bracket(results, "base")
+    assert [r["base_ms"] for r in results] == (
+        [100.0] + [120.0] * every + [140.0] + [130.0] * (6 - every) + [120.0])
+
+
 @pytest.mark.parametrize("flag,env", [("0", None), ("-1", None), ("nan", None),
                                       (None, "0"), (None, "fast")])
 def test_network_refuses_a_cycle_time_that_is_not_positive(flag, env):
