@@ -77,6 +77,8 @@ class _CompressedReduction:
         self._hvdc_writer = None
         self._hvdc_synced = False  # synchronized and finite: committed by step()
         self._hvdc_active = None  # ranks stepping (not joined) this step, once counted
+        self._hvdc_counting = None  # the count's allreduce while it is in flight
+        self._hvdc_deferred: list = []  # parameters whose gradient waits for the count
         # Whether a step touches state, so that a rank in hvd.join() must be looked for: the
         # codec's, or the spec's momentum even where nothing is compressed (codec none).
         self._hvdc_stateful = config.codec != "none" or spec_momentum(config) is not None
@@ -133,7 +135,7 @@ class _CompressedReduction:
                 self._hvdc_pieces.setdefault(by_name[m.name], []).append(bucket)
 
     def _allreduce_grad_async(self, p):
-        routed = self._hvdc_route(p)
+        routed = self._hvdc_enter(p)
         self._hvdc_advance()
         return routed
 
@@ -148,7 +150,9 @@ class _CompressedReduction:
             if not plan.done:
                 moving.append(plan)
 
-    def _hvdc_route(self, p):
+    def _hvdc_enter(self, p):
+        """p's gradient into the step (opened at its first gradient): routed, or held until
+        the step's count of stepping ranks is in."""
         if self._hvdc_synced:  # the last step was synchronized but never taken
             self._hvdc_abandon()
         if not self._hvdc_store.in_step:
@@ -158,7 +162,7 @@ class _CompressedReduction:
                 self.load_compression_state_dict(elastic.shared_part(
                     self.compression_state_dict()))
             self._hvdc_store.begin()
-            self._hvdc_filling, self._hvdc_flights = {}, {}
+            self._hvdc_filling, self._hvdc_flights, self._hvdc_deferred = {}, {}, []
             self._hvdc_moving.clear()
             self._hvdc_codec.drop_views()
             scaler = self._hvdc_scaler
@@ -166,7 +170,17 @@ class _CompressedReduction:
                 self._hvdc_store.rescale(float(scaler.get_scale()),
                                          self._hvdc_config.info.scale_free_slots)
         if self._hvdc_stateful:
-            self._hvdc_joined()  # first, on every rank: see synchronize()
+            self._hvdc_count()  # first, on every rank: see synchronize()
+            if not self._hvdc_counted(block=False):
+                # Where this gradient goes depends on the count; backward goes on meanwhile,
+                # and the gradients ready by then are routed, in order, when it is in.
+                self._hvdc_deferred.append(p)
+                return _DEFERRED, None
+            self._hvdc_route_deferred()
+        return self._hvdc_route(p)
+
+    def _hvdc_route(self, p):
+        """p's gradient to its bucket, to a compressed plan or to Horovod's plain allreduce."""
         if p.grad is None:
             p.grad = p.data.new(p.size()).zero_()
         if p.grad.is_sparse and self.sparse_as_dense:
@@ -286,14 +300,35 @@ class _CompressedReduction:
         optimizer sends them, and no compression state is read or written, step counters
         included: the joined rank's state cannot move, and seeds and warm start drawn from the
         counters must still agree between ranks when all of them step again."""
+        self._hvdc_count()
+        self._hvdc_counted(block=True)
+        return self._hvdc_active < self.process_set.size()
+
+    def _hvdc_count(self) -> None:
+        """Issues this step's count of stepping ranks (_hvdc_joined), once."""
         ps = self.process_set
-        if self._hvdc_active is None:
-            self._hvdc_active = ps.size()
-            if ps.size() > 1:
-                ones = torch.ones(1, dtype=torch.int32)
-                self._hvdc_active = int(wait(hvd.allreduce_async(
-                    ones, op=hvd.Sum, process_set=ps, name="hvd_compress.active_ranks")))
-        return self._hvdc_active < ps.size()
+        if self._hvdc_active is not None or self._hvdc_counting is not None:
+            return
+        if ps.size() == 1:
+            self._hvdc_active = 1
+            return
+        self._hvdc_counting = hvd.allreduce_async(
+            torch.ones(1, dtype=torch.int32), op=hvd.Sum, process_set=ps,
+            name="hvd_compress.active_ranks")
+
+    def _hvdc_counted(self, block: bool) -> bool:
+        """Whether this step's count is in (waiting for it when block)."""
+        handle = self._hvdc_counting
+        if handle is not None and (block or hvd.poll(handle)):
+            self._hvdc_active, self._hvdc_counting = int(wait(handle)), None
+        return self._hvdc_active is not None
+
+    def _hvdc_route_deferred(self) -> None:
+        """The gradients that came before the count, routed in the order they came (every
+        rank issues the same collectives in the same order)."""
+        while self._hvdc_deferred:
+            p = self._hvdc_deferred.pop(0)
+            self._handles[p] = self._hvdc_route(p)
 
     def _powersgd_grad_async(self, p, name, grad):
         step = self._hvdc_powersgd.compressed_step(name, grad)
@@ -314,7 +349,8 @@ class _CompressedReduction:
         # first gradient, or here by a rank that had none (the others are waiting on it).
         if self._hvdc_stateful:
             self._hvdc_joined()
-        nowhere = self._hvdc_without_gradient()
+            self._hvdc_route_deferred()
+        nowhere, has_gradient = self._hvdc_without_gradient()
         # Gradients that only other ranks computed: zeros go in their place, as in Horovod's
         # optimizer, issued before any batch below is closed so that PowerSGD's batches hold the
         # same members on every rank.
@@ -346,6 +382,8 @@ class _CompressedReduction:
             _DistributedOptimizer.synchronize(self)
         finally:
             self._requires_update = everything
+            if has_gradient is not None:
+                wait(has_gradient)
         self._hvdc_active = None  # counted again next step
         if self._hvdc_powersgd is not None:
             self._hvdc_powersgd.end_step()
@@ -360,23 +398,28 @@ class _CompressedReduction:
         if self._hvdc_writer is not None:
             self._hvdc_write_step()
 
-    def _hvdc_without_gradient(self) -> set:
+    def _hvdc_without_gradient(self) -> tuple[set, Any]:
         """The parameters that no rank of the set has a gradient for in this step (not
-        reduced: none computed in backward, p.grad None). Horovod would reduce zeros for them;
+        reduced: none computed in backward, p.grad None), and the handle of the collective
+        that tells, if it is still to be waited for. Horovod would reduce zeros for them;
         here the step does not exist for them: no gradient, no update, and no compression
         state touched (an error-feedback residual would otherwise be sent). Which parameters
         those are takes one small allreduce per step: a rank that computed every gradient
-        cannot know that another lacks one."""
+        cannot know that another lacks one. But it knows that none is missing everywhere, so
+        it does not wait for the answer before its gradients' own collectives, which the
+        ranks that lack some are still to issue."""
         ps = self.process_set
         if not ps.included():
-            return set()
+            return set(), None
         params = sorted(self._requires_update, key=lambda q: self._parameter_names[q])
-        has = torch.tensor([q in self._handles or q.grad is not None for q in params],
-                           dtype=torch.int32)
-        if ps.size() > 1:
-            has = wait(hvd.allreduce_async(has, op=hvd.Sum, name="hvd_compress.has_gradient",
-                                           process_set=ps))
-        return {q for q, count in zip(params, has.tolist()) if count == 0}
+        mine = [q in self._handles or q.grad is not None for q in params]
+        if ps.size() == 1:
+            return {q for q, has in zip(params, mine) if not has}, None
+        handle = hvd.allreduce_async(torch.tensor(mine, dtype=torch.int32), op=hvd.Sum,
+                                     name="hvd_compress.has_gradient", process_set=ps)
+        if all(mine):
+            return set(), handle
+        return {q for q, count in zip(params, wait(handle).tolist()) if count == 0}, None
 
     def _hvdc_follow_world(self) -> bool:
         """After an elastic reset Horovod re-initializes with another rank and size: the codec
@@ -481,6 +524,9 @@ def _ring_allreduce_bytes(nbytes: int, world: int) -> float:
 
 
 _OPS = {"sum": hvd.Sum, "max": hvd.Max}
+# The handle of a gradient that waits for the step's count of ranks; synchronize() routes it
+# before Horovod's loop reads any handle.
+_DEFERRED = object()
 
 
 class BucketShare:
