@@ -365,13 +365,10 @@ class _CompressedReduction:
         # Every plan that backward did not move is moved on by one collective before Horovod's
         # loop waits on any result, so that second collectives (two-round codecs, the
         # compressed allreduce's allgather) overlap each other. A bucket's plan is moved once,
-        # whatever its member count.
-        moved = set()
+        # whatever its member count (PowerSGD's batches move once of themselves).
         for handle, _ in list(self._handles.values()):
             for plan in getattr(handle, "plans", (handle,)):
-                if (hasattr(plan, "prepare") and id(plan) not in moved
-                        and not getattr(plan, "moved", False)):
-                    moved.add(id(plan))
+                if hasattr(plan, "prepare") and not getattr(plan, "moved", False):
                     plan.prepare()
         self._hvdc_moving.clear()
         checked = [(p, h) for p, (h, _) in self._handles.items()
