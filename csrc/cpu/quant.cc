@@ -150,15 +150,17 @@ inline uint64_t get_group(const uint8_t* codes, int64_t g, int b, int64_t cap) {
 // shift-and-merge rounds (pairs, quads, octets), so only one store per 8 codes leaves SIMD.
 // With y, codes x + y. With resid, also resid = v + alpha * values[code] for the coded v
 // (error feedback's decode, fused: the rounding of dither_aggregate's accumulation for one
-// rank); resid may be x or y.
+// rank); resid may be x or y. A linear level's value is computed, not looked up: code - s as a
+// float times q = norm / s is the table's l * q with its sign, bit for bit, and a gather costs
+// more than the multiply.
 __attribute__((target("avx2"))) int64_t dither_linear_f32_avx2(const float* x, const float* y,
                                                                int64_t n, float scale, int64_t s,
                                                                uint64_t seed, int b, int64_t cap,
                                                                uint8_t* codes, float* resid,
-                                                               const float* values, float alpha) {
+                                                               float q, float alpha) {
   // A residual that fills no cache is written past it: no read for ownership.
   const bool stream = resid && stream_to(resid, 4 * n);
-  const __m256 valpha = _mm256_set1_ps(alpha);
+  const __m256 valpha = _mm256_set1_ps(alpha), vq = _mm256_set1_ps(q);
   const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   const __m256 vscale = _mm256_set1_ps(scale), sf = _mm256_set1_ps(static_cast<float>(s));
   const __m256i vs = _mm256_set1_epi32(static_cast<int32_t>(s));
@@ -191,7 +193,8 @@ __attribute__((target("avx2"))) int64_t dither_linear_f32_avx2(const float* x, c
       c[u] = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(_mm256_add_epi32(vs, l)),
                                                   _mm256_castsi256_ps(_mm256_sub_epi32(vs, l)), v));
       if (resid) {
-        const __m256 r = _mm256_add_ps(v, _mm256_mul_ps(valpha, _mm256_i32gather_ps(values, c[u], 4)));
+        const __m256 dv = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(c[u], vs)), vq);
+        const __m256 r = _mm256_add_ps(v, _mm256_mul_ps(valpha, dv));
         if (stream) _mm256_stream_ps(resid + i + 8 * u, r);
         else _mm256_storeu_ps(resid + i + 8 * u, r);
       }
@@ -413,7 +416,7 @@ void dither_code(DType d, const void* x, const void* y, int64_t n, const Params&
       if constexpr (std::is_same_v<T, float>) {
         if (!natural && cpu_has_avx2_f16c())
           i = dither_linear_f32_avx2(xs, ys, n, scale, p.s, p.seed, b, cap, codes, rs,
-                                     values.data(), al);
+                                     norm / sf, al);
       }
       for (; i < n; i += 8) {
         uint64_t w = 0;
@@ -437,11 +440,16 @@ void dither_code(DType d, const void* x, const void* y, int64_t n, const Params&
 // first; alpha * value, then the add); codes[r] is rank r's first group. Codes are unpacked
 // without leaving SIMD: a code of b <= 8 bits at bit j * b of its group lies in the two bytes
 // from (j * b) / 8, which a byte shuffle moves into lane j, and a variable shift by (j * b) % 8
-// aligns. lv holds 1 << b values per rank. Each group is read as 8 bytes: covers the whole
-// steps up to `whole` elements, which the caller bounds; returns how far it got.
+// aligns. Natural levels are looked up in lv, 1 << b values per rank. Linear levels are
+// computed from each rank's q[r] = norm / s (as in dither_linear_f32_avx2), and a code above 2s,
+// which no encoder makes, decodes to NaN as lv has it, so that a damaged payload shows. Each
+// group is read as 8 bytes: covers the whole steps up to `whole` elements, which the caller
+// bounds; returns how far it got.
+template <bool kLinear>
 __attribute__((target("avx2"))) int64_t dither_sum_f32_avx2(const uint8_t* const* codes,
                                                            int64_t ranks, int64_t whole, int b,
-                                                           const float* lv, float al, bool acc,
+                                                           int64_t s, const float* lv,
+                                                           const float* q, float al, bool acc,
                                                            bool stream, float* out) {
   alignas(32) int8_t pick[32];
   alignas(32) int32_t shift[8];
@@ -454,23 +462,33 @@ __attribute__((target("avx2"))) int64_t dither_sum_f32_avx2(const uint8_t* const
   const __m256i vshift = _mm256_load_si256(reinterpret_cast<const __m256i*>(shift));
   const __m256i mask = _mm256_set1_epi32((1 << b) - 1);
   const __m256 va = _mm256_set1_ps(al);
+  const __m256i vs = _mm256_set1_epi32(static_cast<int32_t>(s)),
+                top = _mm256_set1_epi32(static_cast<int32_t>(2 * s));
   int64_t i = 0;
   for (; i + 32 <= whole; i += 32) {
-    __m256 s[4];
-    for (int u = 0; u < 4; ++u) s[u] = acc ? _mm256_loadu_ps(out + i + 8 * u) : _mm256_setzero_ps();
+    __m256 sum[4];
+    for (int u = 0; u < 4; ++u) sum[u] = acc ? _mm256_loadu_ps(out + i + 8 * u) : _mm256_setzero_ps();
     for (int64_t r = 0; r < ranks; ++r) {
       const uint8_t* step = codes[r] + i / 8 * b;
       prefetch_ahead(step);
+      const __m256 vq = _mm256_set1_ps(kLinear ? q[r] : 0.0f);
       for (int u = 0; u < 4; ++u) {
         const __m128i w = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(step + u * b));
         __m256i c = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(w), vpick);
         c = _mm256_and_si256(_mm256_srlv_epi32(c, vshift), mask);
-        s[u] = _mm256_add_ps(s[u], _mm256_mul_ps(va, _mm256_i32gather_ps(lv + (r << b), c, 4)));
+        __m256 v;
+        if constexpr (kLinear) {
+          v = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(c, vs)), vq);
+          v = _mm256_or_ps(v, _mm256_castsi256_ps(_mm256_cmpgt_epi32(c, top)));
+        } else {
+          v = _mm256_i32gather_ps(lv + (r << b), c, 4);
+        }
+        sum[u] = _mm256_add_ps(sum[u], _mm256_mul_ps(va, v));
       }
     }
     for (int u = 0; u < 4; ++u) {
-      if (stream) _mm256_stream_ps(out + i + 8 * u, s[u]);
-      else _mm256_storeu_ps(out + i + 8 * u, s[u]);
+      if (stream) _mm256_stream_ps(out + i + 8 * u, sum[u]);
+      else _mm256_storeu_ps(out + i + 8 * u, sum[u]);
     }
   }
   return i;
@@ -500,10 +518,12 @@ void dither_sum(DType d, const uint8_t* const* rows, int64_t ranks, const uint8_
   // makes, decode to NaN, so that a damaged payload shows.
   const int64_t nc = int64_t{1} << b;
   std::vector<float> table(static_cast<size_t>(ranks * nc), std::numeric_limits<float>::quiet_NaN());
+  std::vector<float> q(static_cast<size_t>(ranks));
   for (int64_t r = 0; r < ranks; ++r) {
     float norm;
     std::memcpy(&norm, rows[r] + 8, 4);
     dither_values(norm, p, table.data() + r * nc);
+    q[r] = norm / static_cast<float>(p.s);
   }
   dispatch_dtype(d, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
@@ -513,13 +533,20 @@ void dither_sum(DType d, const uint8_t* const* rows, int64_t ranks, const uint8_
     int64_t done = 0;
     if constexpr (std::is_same_v<T, float>) {
       if (cpu_has_avx2_f16c()) {
+        const bool linear = p.partition != kNaturalLevels;
+        auto sum_f32 = [&](const uint8_t* const* c, int64_t k, int64_t len, bool stream, float* to) {
+          return linear ? dither_sum_f32_avx2<true>(c, k, len, b, p.s, table.data(), q.data(), al,
+                                                    acc, stream, to)
+                        : dither_sum_f32_avx2<false>(c, k, len, b, p.s, table.data(), q.data(), al,
+                                                     acc, stream, to);
+        };
         // The steps whose groups' 8-byte loads stay inside the codes.
         const int64_t whole = std::min(n, (cap - 8) / b * 8 + 8);
         const bool stream = !acc && stream_to(o, 4 * whole);
         std::vector<const uint8_t*> codes(static_cast<size_t>(ranks));
         for (int64_t r = 0; r < ranks; ++r) codes[r] = rows[r] + kDitherHeader;
         if (!summed) {
-          done = dither_sum_f32_avx2(codes.data(), ranks, whole, b, table.data(), al, acc, stream, o);
+          done = sum_f32(codes.data(), ranks, whole, stream, o);
         } else {
           alignas(32) uint8_t theirs[kPairBlock + 8] = {};  // + a group's 8-byte load past b bytes
           for (int64_t s0 = 0; s0 + 32 <= whole; s0 += kPairBlock) {
@@ -528,8 +555,7 @@ void dither_sum(DType d, const uint8_t* const* rows, int64_t ranks, const uint8_
             subtract_words(summed + at, rows[1 - other] + at, len / 8 * b, theirs);
             codes[1 - other] = rows[1 - other] + at;
             codes[other] = theirs;
-            done += dither_sum_f32_avx2(codes.data(), 2, len, b, table.data(), al, acc, stream,
-                                        o + s0);
+            done += sum_f32(codes.data(), 2, len, stream, o + s0);
           }
         }
         if (stream) _mm_sfence();
