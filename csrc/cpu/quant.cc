@@ -327,13 +327,35 @@ int32_t natural_encode_f32(const float* x, int64_t n, uint64_t seed, uint8_t* co
   return top;
 }
 
+// The tops for which natural_bits8() gives every code's table value: 2^(top - 127 + c) of
+// c <= 127 stays at or under 2^128, whose float is inf, and top - 127 + c cannot overflow.
+constexpr int32_t kNaturalTopLo = -1000, kNaturalTopHi = 128;
+
+// The float bits of the table value of 8 codes under top (in kNaturalTop*): the float of
+// 2^(e - 127), e = top + c, is e << 23 when normal (e >= 1; e = 255 is inf), else the
+// subnormal 2^(e + 22) ulps, and 0 from e = -23 on down (2^-150 ties to even); sllv gives 0
+// for those counts. c = 0 is a zero with the code's sign.
+__attribute__((target("avx2"))) inline __m256 natural_bits8(__m256i code, __m256i vtop) {
+  const __m256i mag = _mm256_and_si256(code, _mm256_set1_epi32(0x7f));
+  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(code, _mm256_set1_epi32(0x80)), 24);
+  const __m256i e = _mm256_add_epi32(vtop, mag);
+  const __m256i normal = _mm256_slli_epi32(e, 23);
+  const __m256i sub = _mm256_sllv_epi32(_mm256_set1_epi32(1), _mm256_add_epi32(e, _mm256_set1_epi32(22)));
+  __m256i bits = _mm256_blendv_epi8(sub, normal, _mm256_cmpgt_epi32(e, _mm256_setzero_si256()));
+  bits = _mm256_andnot_si256(_mm256_cmpeq_epi32(mag, _mm256_setzero_si256()), bits);
+  return _mm256_castsi256_ps(_mm256_or_si256(bits, sign));
+}
+
 // out (+)= sum over ranks of alpha * lv_r[code], rank 0 first, per element as the scalar loop
-// does; codes[r] is rank r's first code, lv each rank's 256-entry decode table. Covers whole
-// steps up to n; returns how far it got.
+// does; codes[r] is rank r's first code. kBits: each value is made from tops[r] by
+// natural_bits8() (a gather costs more), else looked up in lv, each rank's 256-entry decode
+// table. Covers whole steps up to n; returns how far it got.
+template <bool kBits>
 __attribute__((target("avx2"))) int64_t natural_sum_f32_avx2(const uint8_t* const* codes,
                                                             int64_t ranks, int64_t n,
-                                                            const float* lv, float al, bool acc,
-                                                            bool stream, float* out) {
+                                                            const float* lv, const int32_t* tops,
+                                                            float al, bool acc, bool stream,
+                                                            float* out) {
   const __m256 va = _mm256_set1_ps(al);
   int64_t i = 0;
   for (; i + 32 <= n; i += 32) {
@@ -342,10 +364,12 @@ __attribute__((target("avx2"))) int64_t natural_sum_f32_avx2(const uint8_t* cons
     for (int64_t r = 0; r < ranks; ++r) {
       const uint8_t* step = codes[r] + i;
       prefetch_ahead(step);
+      const __m256i vtop = _mm256_set1_epi32(kBits ? tops[r] : 0);
       for (int u = 0; u < 4; ++u) {
         const __m256i c =
             _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(step + 8 * u)));
-        s[u] = _mm256_add_ps(s[u], _mm256_mul_ps(va, _mm256_i32gather_ps(lv + 256 * r, c, 4)));
+        const __m256 v = kBits ? natural_bits8(c, vtop) : _mm256_i32gather_ps(lv + 256 * r, c, 4);
+        s[u] = _mm256_add_ps(s[u], _mm256_mul_ps(va, v));
       }
     }
     for (int u = 0; u < 4; ++u) {
@@ -678,9 +702,12 @@ void natural_sum(DType d, const uint8_t* const* rows, int64_t ranks, const uint8
     const A al = static_cast<A>(alpha);
     // Decoded value of every code, per rank, made once up front.
     std::vector<A> lv(static_cast<size_t>(256 * ranks));
+    std::vector<int32_t> tops(static_cast<size_t>(ranks));
+    bool bits = true;
     for (int64_t r = 0; r < ranks; ++r) {
-      int32_t top;
+      int32_t& top = tops[r];
       std::memcpy(&top, rows[r] + 4, 4);
+      bits = bits && top >= kNaturalTopLo && top <= kNaturalTopHi;
       for (int c = 0; c < 256; ++c) {
         const int mag = c & 0x7f;
         A m = top == std::numeric_limits<int32_t>::min()
@@ -695,8 +722,12 @@ void natural_sum(DType d, const uint8_t* const* rows, int64_t ranks, const uint8
     if constexpr (std::is_same_v<T, float>) {
       if (cpu_has_avx2_f16c()) {
         const bool stream = !acc && stream_to(o, 4 * n);
+        auto sum_f32 = [&](const uint8_t* const* c, int64_t k, int64_t len, float* to) {
+          return bits ? natural_sum_f32_avx2<true>(c, k, len, lv.data(), tops.data(), al, acc, stream, to)
+                      : natural_sum_f32_avx2<false>(c, k, len, lv.data(), tops.data(), al, acc, stream, to);
+        };
         if (!summed) {
-          done = natural_sum_f32_avx2(codes.data(), ranks, n, lv.data(), al, acc, stream, o);
+          done = sum_f32(codes.data(), ranks, n, o);
         } else {  // a block of the other rank's codes at a time, as in dither_sum
           alignas(32) uint8_t theirs[kPairBlock];
           const uint8_t* block[2];
@@ -706,7 +737,7 @@ void natural_sum(DType d, const uint8_t* const* rows, int64_t ranks, const uint8
             subtract_words(summed + at, rows[1 - other] + at, len, theirs);
             block[1 - other] = rows[1 - other] + at;
             block[other] = theirs;
-            done += natural_sum_f32_avx2(block, 2, len, lv.data(), al, acc, stream, o + s0);
+            done += sum_f32(block, 2, len, o + s0);
           }
         }
         if (stream) _mm_sfence();

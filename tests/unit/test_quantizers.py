@@ -370,6 +370,33 @@ def test_natural_aggregate_special_values(n):
     assert same_bits(t2n(out), want)
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast")
+@pytest.mark.parametrize("top", [-1001, -1000, -300, -150, -126, -104, -60, -6, 0, 1, 60, 127,
+                                 128, 129, 1 << 20])
+def test_natural_every_code_under_every_kind_of_top(top):
+    """Every one of the 256 codes, in SIMD blocks and the tail, under tops whose values are
+    normal, subnormal, zero or inf as floats, and tops no encoder makes (outside the range the
+    AVX2 sum builds values from bits in, where it looks them up): decode, accumulate and a
+    two-rank aggregate match the reference bit for bit."""
+    cid = ref.CODEC_ID["natural"]
+    n = 256 * 3 + 21
+    codes = (np.arange(n) * 37 % 256).astype(np.uint8)
+    tag = bytes(encode(cid, torch.zeros(1), params()).view(torch.uint8)[:4].tolist())
+    pad = bytes((-n) % 8)
+    payload = tag + struct.pack("<i", top) + codes.tobytes() + pad
+    other = tag + struct.pack("<i", 3) + codes[::-1].tobytes() + pad
+    as_tensor = [torch.frombuffer(bytearray(pl), dtype=torch.uint8) for pl in (payload, other)]
+    out = torch.empty(n)
+    _C.decode(cid, as_tensor[0], out, params(), -0.5, False)
+    assert same_bits(t2n(out), ref.decode("natural", payload, n, "float32", -0.5))
+    base = random_grad(n, "float32", seed=3)
+    acc = base.clone()
+    _C.decode(cid, as_tensor[0], acc, params(), 0.25, True)
+    assert same_bits(t2n(acc), ref.decode("natural", payload, n, "float32", 0.25, out=t2n(base)))
+    _C.aggregate(cid, torch.stack(as_tensor), out, params(), 0.7)
+    assert same_bits(t2n(out), ref.aggregate("natural", [payload, other], n, "float32", 0.7))
+
+
 def test_natural_simd_and_scalar_paths_agree(tmp_path):
     """Encode, decode, accumulate and a 4-rank aggregate give the same bytes on the AVX2 and
     the scalar path (subprocesses, since the path is chosen once per process)."""
