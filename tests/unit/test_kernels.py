@@ -341,13 +341,19 @@ def test_topk_selection_large_other_dtypes(dtype):
     assert payload_bytes(payload) == ref.encode("topk", t2n(x), dtype, k=2000)
 
 
+def topk_sampled(n: int) -> torch.Tensor:
+    """The positions whose keys the top-k kernel's threshold sample reads on a tensor of
+    n > 65536 elements: 4096 runs of 16, evenly spaced."""
+    gap = n // 4096 // 16 * 16
+    return (torch.arange(4096)[:, None] * gap + torch.arange(16)).flatten()
+
+
 def test_topk_sample_that_overrates_the_tail_widens():
     """Every sampled element large, the rest tiny: the first threshold lets through fewer than
     k, so the selection must lower it and still return the exact top k."""
     n, k = 200003, 3000
     x = random_grad(n, "float32", seed=3) * 1e-3
-    stride = n // 65536
-    x[::stride][:65536] = torch.arange(1, 65537, dtype=torch.float32)
+    x[topk_sampled(n)] = torch.arange(1, 65537, dtype=torch.float32)
     payload = encode("topk", x, params(k=k))
     assert payload_bytes(payload) == ref.encode("topk", t2n(x), "float32", k=k)
 
@@ -365,7 +371,7 @@ def test_topk_error_feedback_on_a_sampled_tensor(dtype, tail):
     for step in range(2):
         x = random_grad(n, dtype, seed=10 + step) * 1e-3
         if tail == "overrated":
-            x[::n // 65536][:65536] = torch.arange(1, 65537, dtype=torch.float64).to(x.dtype)
+            x[topk_sampled(n)] = torch.arange(1, 65537, dtype=torch.float64).to(x.dtype)
         payload = _C.new_payload(ID["topk"], x, p)
         _C.ef_encode(ID["topk"], x, e, torch.zeros(0), p, payload)
         want, e_ref = ref.ef_encode("topk", t2n(x), e_ref, dtype, k=k)
