@@ -340,10 +340,15 @@ class TorchCodec:
         """nbytes of a uint8 buffer kept for this collective (job.opname) and role across steps,
         grown when a step needs more: a fresh one costs more in page faults than the pass that
         fills it (32 MB on one core of the development VM: 30 ms fresh, 4 ms reused). The step's
-        collective and reduction are done with it before the next step writes it."""
+        collective and reduction are done with it before the next step writes it. A buffer
+        that must grow at least doubles: threshold's payloads grow over its first steps as
+        error feedback raises its density, and each regrowth was a fresh buffer again."""
         held = self._scratch_buffers.get((job.opname, role))
-        if held is None or held.numel() < nbytes or held.device != device:
+        if held is None or held.device != device:
             held = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            self._scratch_buffers[job.opname, role] = held
+        elif held.numel() < nbytes:
+            held = torch.empty(max(nbytes, 2 * held.numel()), dtype=torch.uint8, device=device)
             self._scratch_buffers[job.opname, role] = held
         return held[:nbytes]
 
