@@ -76,9 +76,10 @@ void collect(const T* x, const T* e_in, T* e, int64_t n, K t, std::vector<int32_
 // Keys (key_of, sign bit clear) fall into bins by their top kBinBits bits below the sign:
 // for float, the exponent and 4 mantissa bits, so a bin spans 1/16 of an octave.
 constexpr int kBinBits = 12;
+template <class K> constexpr int bin_shift() { return 8 * sizeof(K) - 1 - kBinBits; }
+
 // Keys in select()'s sample, taken in runs of kSampleRun (a cache line of float32).
 constexpr int64_t kSample = 65536, kSampleRun = 16;
-template <class K> constexpr int bin_shift() { return 8 * sizeof(K) - 1 - kBinBits; }
 
 // The k candidates first under (key descending, index ascending), in index order, to idx.
 // A radix selection, kBinBits of the key at a time from the top: each round counts the keys
