@@ -34,7 +34,7 @@ __attribute__((target("avx2,f16c"))) void f32_to_f16_avx2(const float* x, uint16
 }
 
 __attribute__((target("avx2,f16c"))) void f16_to_f32_avx2(const uint16_t* h, float* y, int64_t n) {
-  const bool stream = stream_to(y, 4 * n);
+  const bool stream = stream_later(y, 4 * n);
   int64_t i = 0;
   for (; i + 32 <= n; i += 32) {
     prefetch_ahead(h + i);
@@ -96,7 +96,7 @@ __attribute__((target("avx2"))) void f32_to_bf16_avx2(const float* x, uint16_t* 
 }
 
 __attribute__((target("avx2"))) void bf16_to_f32_avx2(const uint16_t* h, float* y, int64_t n) {
-  const bool stream = stream_to(y, 4 * n);
+  const bool stream = stream_later(y, 4 * n);
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
     __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i)));
@@ -194,7 +194,7 @@ __attribute__((target("avx2,f16c"))) int64_t pair16_avx2(const uint16_t* own,
                                                          int64_t n, float* out, float a) {
   const __m256 va = _mm256_set1_ps(a);
   const __m256 zero = _mm256_setzero_ps();
-  const bool stream = stream_to(out, 4 * n);
+  const bool stream = stream_later(out, 4 * n);
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
     prefetch_ahead(own + i);

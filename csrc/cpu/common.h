@@ -51,6 +51,9 @@ inline bool stream_to(const void* y, int64_t bytes) {
 // optimizer's update after the step's other buckets; a residual, read at the next step) go
 // around the cache from this size, a core's L2 on the development VM.
 constexpr int64_t kLaterBytes = 2 << 20;
+inline bool stream_later(const void* y, int64_t bytes) {
+  return bytes >= kLaterBytes && (reinterpret_cast<uintptr_t>(y) & 31) == 0;
+}
 
 // dst[0, bytes) = src[0, bytes), by non-temporal stores from dst's first 32-byte boundary on
 // (a bucket that starts inside a parameter's gradient is rarely aligned).

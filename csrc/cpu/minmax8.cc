@@ -243,7 +243,7 @@ void aggregate(DType d, const void* payloads, int64_t ranks, int64_t stride, int
   dispatch_dtype(d, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     T* o = static_cast<T*>(out);
-    const bool stream = !acc && c % 8 == 0 && stream_to(out, static_cast<int64_t>(sizeof(T)) * n);
+    const bool stream = !acc && c % 8 == 0 && stream_later(out, static_cast<int64_t>(sizeof(T)) * n);
     for (int64_t k = 0; k * c < n; ++k) {
       const int64_t s = k * c;
       for (int64_t r = 0; r < ranks; ++r) {
@@ -283,7 +283,7 @@ void aggregate_pair(DType d, const void* own, const int32_t* summed, int64_t ran
   dispatch_dtype(d, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     T* o = static_cast<T*>(out);
-    const bool stream = c % 8 == 0 && stream_to(out, static_cast<int64_t>(sizeof(T)) * n);
+    const bool stream = c % 8 == 0 && stream_later(out, static_cast<int64_t>(sizeof(T)) * n);
     Grid g[2];
     const uint8_t* codes[2];
     for (int64_t k = 0; k * c < n; ++k) {

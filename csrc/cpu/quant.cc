@@ -159,7 +159,7 @@ __attribute__((target("avx2"))) int64_t dither_linear_f32_avx2(const float* x, c
                                                                uint8_t* codes, float* resid,
                                                                float q, float alpha) {
   // A residual that fills no cache is written past it: no read for ownership.
-  const bool stream = resid && stream_to(resid, 4 * n);
+  const bool stream = resid && stream_later(resid, 4 * n);
   const __m256 valpha = _mm256_set1_ps(alpha), vq = _mm256_set1_ps(q);
   const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   const __m256 vscale = _mm256_set1_ps(scale), sf = _mm256_set1_ps(static_cast<float>(s));
@@ -566,7 +566,7 @@ void dither_sum(DType d, const uint8_t* const* rows, int64_t ranks, const uint8_
         };
         // The steps whose groups' 8-byte loads stay inside the codes.
         const int64_t whole = std::min(n, (cap - 8) / b * 8 + 8);
-        const bool stream = !acc && stream_to(o, 4 * whole);
+        const bool stream = !acc && stream_later(o, 4 * whole);
         std::vector<const uint8_t*> codes(static_cast<size_t>(ranks));
         for (int64_t r = 0; r < ranks; ++r) codes[r] = rows[r] + kDitherHeader;
         if (!summed) {
@@ -721,7 +721,7 @@ void natural_sum(DType d, const uint8_t* const* rows, int64_t ranks, const uint8
     int64_t done = 0;
     if constexpr (std::is_same_v<T, float>) {
       if (cpu_has_avx2_f16c()) {
-        const bool stream = !acc && stream_to(o, 4 * n);
+        const bool stream = !acc && stream_later(o, 4 * n);
         auto sum_f32 = [&](const uint8_t* const* c, int64_t k, int64_t len, float* to) {
           return bits ? natural_sum_f32_avx2<true>(c, k, len, lv.data(), tops.data(), al, acc, stream, to)
                       : natural_sum_f32_avx2<false>(c, k, len, lv.data(), tops.data(), al, acc, stream, to);

@@ -38,12 +38,12 @@ float finish_scale(double abs_sum, int64_t n, bool scaling) {
 }
 
 // Packs the sign bits of 64 floats into one word and adds |x| to four double accumulators.
-__attribute__((target("avx2"))) inline uint64_t pack64_avx2(const float* x, __m256d acc[4]) {
+__attribute__((target("avx2"))) inline uint64_t pack64_avx2(const __m256 x[8], __m256d acc[4]) {
   const __m256 zero = _mm256_setzero_ps();
   const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   uint64_t w = 0;
   for (int u = 0; u < 8; ++u) {
-    __m256 v = _mm256_loadu_ps(x + 8 * u);
+    const __m256 v = x[u];
     w |= static_cast<uint64_t>(_mm256_movemask_ps(_mm256_cmp_ps(v, zero, _CMP_LT_OQ))) << (8 * u);
     __m256 a = _mm256_and_ps(v, absmask);
     acc[(u & 1) * 2] = _mm256_add_pd(acc[(u & 1) * 2], _mm256_cvtps_pd(_mm256_castps256_ps128(a)));
@@ -66,7 +66,9 @@ __attribute__((target("avx2"))) double encode_f32_avx2(const float* x, int64_t n
   int64_t i = 0;
   for (; i + 64 <= n; i += 64) {
     for (int l = 0; l < 4; ++l) prefetch_ahead(x + i + 16 * l);
-    words[i / 64] = pack64_avx2(x + i, acc);
+    __m256 v[8];
+    for (int u = 0; u < 8; ++u) v[u] = _mm256_loadu_ps(x + i + 8 * u);
+    words[i / 64] = pack64_avx2(v, acc);
   }
   double sum = hsum(acc);
   if (i < n) {
@@ -83,6 +85,8 @@ __attribute__((target("avx2"))) double encode_f32_avx2(const float* x, int64_t n
 // One pass of lazy error feedback: the residual e = q - (q < 0 ? -s : s) of the previous step is
 // formed from q (held in e_in) and its scale s, then p = x + e is stored into e (which may be
 // e_in), packed and summed. Each value is rounded to float exactly where the eager definition rounds it.
+// e is read again only at the next step, so it goes around the cache and is packed from the
+// registers.
 __attribute__((target("avx2"))) double ef_pass_f32_avx2(const float* x, const float* e_in,
                                                         float* e, float s, int64_t n,
                                                         uint64_t* words) {
@@ -90,20 +94,24 @@ __attribute__((target("avx2"))) double ef_pass_f32_avx2(const float* x, const fl
                     _mm256_setzero_pd()};
   const __m256 zero = _mm256_setzero_ps();
   const __m256 pos = _mm256_set1_ps(s), neg = _mm256_set1_ps(-s);
+  const bool stream = stream_later(e, 4 * n);
   int64_t i = 0;
   for (; i + 64 <= n; i += 64) {
     for (int l = 0; l < 4; ++l) {
       prefetch_ahead(x + i + 16 * l);
       prefetch_ahead(e_in + i + 16 * l);
     }
+    __m256 p[8];
     for (int u = 0; u < 8; ++u) {
       __m256 q = _mm256_loadu_ps(e_in + i + 8 * u);
       __m256 corr = _mm256_blendv_ps(pos, neg, _mm256_cmp_ps(q, zero, _CMP_LT_OQ));
-      __m256 p = _mm256_add_ps(_mm256_loadu_ps(x + i + 8 * u), _mm256_sub_ps(q, corr));
-      _mm256_storeu_ps(e + i + 8 * u, p);
+      p[u] = _mm256_add_ps(_mm256_loadu_ps(x + i + 8 * u), _mm256_sub_ps(q, corr));
+      if (stream) _mm256_stream_ps(e + i + 8 * u, p[u]);
+      else _mm256_storeu_ps(e + i + 8 * u, p[u]);
     }
-    words[i / 64] = pack64_avx2(e + i, acc);
+    words[i / 64] = pack64_avx2(p, acc);
   }
+  if (stream) _mm_sfence();
   double sum = hsum(acc);
   if (i < n) {
     uint64_t w = 0;
@@ -124,7 +132,7 @@ __attribute__((target("avx2"))) void decode_f32_avx2(const uint64_t* words, int6
   const __m256i sel = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
   const __m256 pos = _mm256_set1_ps(v), neg = _mm256_set1_ps(-v);
   const uint8_t* bytes = reinterpret_cast<const uint8_t*>(words);
-  const bool stream = !acc && stream_to(out, 4 * n);
+  const bool stream = !acc && stream_later(out, 4 * n);
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
     __m256i b = _mm256_set1_epi32(bytes[i / 8]);

@@ -164,6 +164,44 @@ def test_aggregate_pair_equals_aggregate_of_both_payloads(codec, n, dtype):
             assert same_bits(t2n(out), want), f"rank {rank} alpha {alpha}"
 
 
+# Past 2 MiB (kLaterBytes in csrc/cpu/common.h) a result that is read only later goes around the
+# cache; 37 elements more leave a tail after the last whole SIMD step.
+LATER_N = (3 << 20) // 4 + 37
+
+
+@pytest.mark.parametrize("codec", ["fp16", "bf16", "onebit", "efsignsgd"])
+def test_results_written_around_the_cache_match_reference(codec):
+    """The decoded gradient, the pair's sum and error feedback's residual (into a second buffer,
+    then in place) at a size whose stores bypass the cache, against the numpy reference."""
+    n = LATER_N
+    p = params()
+    xs = [random_grad(n, "float32", seed=300 + r) for r in range(2)]
+    payloads = [encode(codec, x, p) for x in xs]
+    raw = [payload_bytes(pl) for pl in payloads]
+    out = torch.empty(n)
+    _C.decode(ID[codec], payloads[0], out, p, 0.5, False)
+    assert same_bits(t2n(out), ref.decode(codec, raw[0], n, "float32", 0.5))
+    if codec in ("fp16", "bf16"):
+        want = ref.aggregate(codec, raw, n, "float32", 0.5)
+        for rank in range(2):
+            out = torch.empty(n)
+            _C.aggregate_pair(ID[codec], payloads[rank], summed_words(raw), rank, out, p, 0.5)
+            assert same_bits(t2n(out), want), f"rank {rank}"
+    e_in = xs[1] * 0.1
+    e_ref, e = t2n(e_in), torch.empty_like(e_in)
+    carry = torch.zeros(_C.ef_carry_size(ID[codec]))
+    for step in range(3):
+        x = random_grad(n, "float32", seed=310 + step)
+        payload = _C.new_payload(ID[codec], x, p)
+        _C.ef_encode(ID[codec], x, e, carry, p, payload, e_in=e_in)
+        want, e_ref = ref.ef_encode(codec, t2n(x), e_ref, "float32")
+        assert payload_bytes(payload) == want, f"step {step}"
+        settled, settled_carry = e.clone(), carry.clone()
+        _C.ef_settle(ID[codec], settled, settled_carry)
+        assert same_bits(t2n(settled), e_ref), f"step {step}"
+        e_in = e  # and from here in place
+
+
 def test_aggregate_pair_refuses_what_it_cannot_reduce():
     x = random_grad(10, "float32")
     p = params()
