@@ -585,6 +585,9 @@ def test_special_values_inside_simd_blocks(codec):
     out = torch.empty_like(x)
     _C.decode(ID[codec], payload, out, params(), 1.0, False)
     assert torch.isnan(out[3]) and out[17] == float("inf") and out[18] == float("-inf")
+    for alpha in (1.0, 0.5):  # 0.5: an average, decoded with its multiply in the SIMD blocks
+        _C.decode(ID[codec], payload, out, params(), alpha, False)
+        assert same_bits(t2n(out), ref.decode(codec, payload_bytes(payload), 100, "float32", alpha))
 
 
 def test_minmax8_levels_bounds_and_nan():
