@@ -8,6 +8,7 @@ that tc shapes to 100 Mbit/s, 1 Gbit/s and 10 Gbit/s, training a communication-h
     sudo python bench/network.py --model keras-resnet50 --bucket-mb 4   # the TF/Keras frontend
     sudo python bench/network.py --rounds 3   # every row three times, in alternating order
     sudo python bench/network.py --cycle-time-ms 5   # Horovod's cycle time, for every Horovod row
+    sudo python bench/network.py --paired     # each of our rows' steps beside the baseline's
 
 With --layout 2x2 each namespace is a node running two ranks (Horovod's local and cross ranks
 set as horovodrun would on two hosts): ranks of one node talk over its loopback, unshaped, and
@@ -30,9 +31,13 @@ against its own baseline, and the lowest and highest of them. Within a round the
 first, after every BASE_EVERY rows and last, and each Horovod row's speedup is against the mean
 of the baseline's runs on either side of it: on a shared VM the baseline alone moved by 15%
 between rounds, and one run of it set every speedup of its round. DDP's rows, a job of their
-own, are measured against the median of the round's baseline runs. Horovod runs over Gloo (no
-MPI launcher can cross the namespaces); the ranks get the same rendezvous that horovodrun would
-give them.
+own, are measured against the median of the round's baseline runs. With --paired (PyTorch
+models), each of our rows trains a second copy of the model through uncompressed Horovod in the
+same job, a step of one then a step of the other (which goes first alternates), and its speedup
+is against the median of those baseline steps: on a VM whose speed moved by 10-30% from one
+minute to the next, two runs of a minute apart differed by more than compression gains at
+10 Gbit/s. Horovod runs over Gloo (no MPI launcher can cross the namespaces); the ranks get
+the same rendezvous that horovodrun would give them.
 
 Needs root (namespaces, tc). The namespaces are deleted on exit, on failure and on Ctrl-C, and
 ones left by a run that was killed outright are removed by the next run.
@@ -302,10 +307,13 @@ def torch_step(model, opt, batch):
     return step
 
 
-def time_steps(step, opts, iface, sync):
+def time_steps(step, opts, iface, sync, base=None):
     """The median step time, the bytes sent per step, and the CPU the process (every thread:
     the framework's, Horovod's or DDP's, ours) and its main thread spent per step. Ranks that
-    share a machine's cores show here whether a row lost on the wire or on the CPU."""
+    share a machine's cores show here whether a row lost on the wire or on the CPU. With `base`
+    (the baseline's step: --paired), time_paired."""
+    if base is not None:
+        return time_paired(step, base, opts, iface, sync)
     times = []
     for i in range(opts["warmup"] + opts["steps"]):
         if i == opts["warmup"]:
@@ -323,6 +331,34 @@ def time_steps(step, opts, iface, sync):
             "bytes_per_step": sent // opts["steps"],
             "cpu_ms_per_step": 1e3 * cpu / opts["steps"],
             "main_cpu_ms_per_step": 1e3 * main / opts["steps"]}
+
+
+def time_paired(step, base, opts, iface, sync):
+    """time_steps with a step of `base` beside each of `step`'s, the first of the two
+    alternating. Bytes and CPU are `step`'s alone, read around each of its steps; paired_base_ms
+    is the median of the baseline's steps."""
+    times, base_times = [], []
+    sent = cpu = main = 0
+    for i in range(opts["warmup"] + opts["steps"]):
+        if i == opts["warmup"]:
+            sync()
+        timed = i >= opts["warmup"]
+        for which in ((base, step) if i % 2 else (step, base)):
+            if which is step and timed:
+                sent, cpu, main = (sent - tx_bytes(iface), cpu - time.process_time(),
+                                   main - time.thread_time())
+            t0 = time.perf_counter()
+            which()
+            (times if which is step else base_times).append(time.perf_counter() - t0)
+            if which is step and timed:
+                sent, cpu, main = (sent + tx_bytes(iface), cpu + time.process_time(),
+                                   main + time.thread_time())
+    sync()
+    return {"ms_per_step": 1e3 * statistics.median(times[opts["warmup"]:]),
+            "bytes_per_step": sent // opts["steps"],
+            "cpu_ms_per_step": 1e3 * cpu / opts["steps"],
+            "main_cpu_ms_per_step": 1e3 * main / opts["steps"],
+            "paired_base_ms": 1e3 * statistics.median(base_times[opts["warmup"]:])}
 
 
 def horovod_worker(args):
@@ -355,13 +391,23 @@ def horovod_worker(args):
             opt = hvdc.DistributedOptimizer(sgd, model.named_parameters(), compression=spec,
                                             bucket_mb=opts["bucket_mb"])
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        base = None
+        if opts.get("paired") and how == "ours":
+            base_model, base_batch = make_model({**opts, "rank": hvd.rank()}, seed=0)
+            base_opt = hvd.DistributedOptimizer(
+                torch.optim.SGD(base_model.parameters(), lr=0.01, momentum=0.9),
+                base_model.named_parameters())
+            hvd.broadcast_parameters(base_model.state_dict(), root_rank=0)
+            base = torch_step(base_model, base_opt, base_batch)
         r = time_steps(torch_step(model, opt, batch), opts, args.iface,
-                       lambda: hvd.allreduce(torch.zeros(1), name="sync"))
+                       lambda: hvd.allreduce(torch.zeros(1), name="sync"), base)
         out.append(shown(hvd.rank(), label, spec, r))
         # Horovod's hooks tie the parameters and the optimizer in a cycle: without a collection
         # each row's model, gradients and state stay (the 109M-parameter encoder was killed for
         # memory at the sixth row).
-        del model, sgd, opt
+        del model, sgd, opt, base
+        if opts.get("paired") and how == "ours":
+            del base_model, base_opt
         gc.collect()
     if hvd.rank() == 0:
         with open(args.result, "w") as f:
@@ -505,7 +551,7 @@ def against_bracket(results, base):
         near = [results[j]["ms_per_step"] for j in (max((j for j in at if j <= i), default=None),
                                                     min((j for j in at if j >= i), default=None))
                 if j is not None]
-        r["base_ms"] = statistics.fmean(near)
+        r["base_ms"] = r.get("paired_base_ms", statistics.fmean(near))
     return results
 
 
@@ -526,6 +572,9 @@ def collapse(rows, base):
                        for k in ("cpu_ms_per_step", "main_cpu_ms_per_step")},
                     "speedup": statistics.median(speedups), "speedup_low": min(speedups),
                     "speedup_high": max(speedups), "rounds": len({r["round"] for r in rs})})
+        # the baseline beside it (--paired), which its speedups are against; else None
+        out[-1]["paired_base_ms"] = (statistics.median(r["paired_base_ms"] for r in rs)
+                                     if "paired_base_ms" in rs[0] else None)
     return out
 
 
@@ -587,6 +636,9 @@ def main():
     ap.add_argument("--cycle-time-ms", type=float, default=None,
                     help="HOROVOD_CYCLE_TIME for every Horovod and hvd_compress row, the "
                          "baseline included (default: the environment's, else Horovod's 1 ms)")
+    ap.add_argument("--paired", action="store_true",
+                    help="each of our rows against a baseline trained beside it, step by step "
+                         "(PyTorch models)")
     ap.add_argument("--rendezvous", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--per-node", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--worker", choices=["horovod", "ddp"], help=argparse.SUPPRESS)
@@ -618,10 +670,13 @@ def main():
         sys.exit(f"--cycle-time-ms must be above 0 (HOROVOD_CYCLE_TIME where it is not given), "
                  f"got {cycle!r}")
     os.environ["HOROVOD_CYCLE_TIME"] = f"{cycle_ms:g}"  # launch() passes it on
+    if args.paired and args.model in KERAS_MODELS:
+        sys.exit(f"--paired trains PyTorch models only, not {args.model}; valid: "
+                 f"{', '.join(m for m in MODELS if m not in KERAS_MODELS)}")
     params_m = {"resnet50": 25.557032, "transformer": 108.9, "keras-resnet50": 25.583592}.get(
         args.model, args.params_m or (6.0 if args.quick else 25.0))
     opts = {"model": args.model, "params_m": params_m, "bucket_mb": args.bucket_mb,
-            "steps": args.steps or (2 if args.quick else 3), "warmup": 3,
+            "steps": args.steps or (2 if args.quick else 3), "warmup": 3, "paired": args.paired,
             "batch": args.batch or {"mlp": 32, "resnet50": 4, "transformer": 2,
                                     "keras-resnet50": 4}[args.model]}
     refuse_unless_able()
@@ -676,6 +731,8 @@ def main():
         name += f"_buckets{args.bucket_mb:g}mb"
     if cycle_ms != 1:
         name += f"_cycle{cycle_ms:g}ms"
+    if args.paired:
+        name += "_paired"
     report(rows, rates, settings, args.out, table, name)
 
 

@@ -180,6 +180,33 @@ def test_network_measures_each_row_against_the_baseline_runs_around_it():
         [100.0] + [120.0] * every + [140.0] + [130.0] * (6 - every) + [120.0])
 
 
+@pytest.mark.skipif(NETWORK_UNAVAILABLE is not None, reason=f"{NETWORK_UNAVAILABLE}")
+def test_network_paired_measures_our_rows_against_a_baseline_beside_them(tmp_path):
+    """--paired: each of our rows' speedup is against the baseline steps that ran between its
+    own, with its bytes its own; Horovod's rows keep the bracketed baseline."""
+    run("network.py", "--quick", "--params-m", "0.3", "--steps", "2", "--rates", "1gbit",
+        "--select", "topk,onebit", "--paired", "--out", str(tmp_path))
+    data, rows = outputs(tmp_path, "network_paired")
+    assert data["settings"]["paired"] is True
+    ours = {r["row"]: r for r in data["rows"] if r["row"] in ("topk 1%", "onebit")}
+    assert len(ours) == 2
+    for r in data["rows"]:
+        assert (r["paired_base_ms"] is not None) == (r["row"] in ours), r["row"]
+    for r in ours.values():
+        assert r["paired_base_ms"] > 0
+        assert r["speedup"] == pytest.approx(r["paired_base_ms"] / r["ms_per_step"])
+        # a 0.3M-parameter model's float32 gradients are about 1.2 MB; these send a tenth
+        assert 0 < r["bytes_per_step"] < 200_000
+
+
+def test_network_paired_refuses_keras():
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "network.py"), "--model",
+                           "keras-resnet50", "--paired"], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode != 0 and "--paired trains PyTorch models only" in proc.stderr
+    assert "resnet50" in proc.stderr and "transformer" in proc.stderr
+
+
 @pytest.mark.parametrize("flag,env", [("0", None), ("-1", None), ("nan", None),
                                       (None, "0"), (None, "fast")])
 def test_network_refuses_a_cycle_time_that_is_not_positive(flag, env):
