@@ -391,7 +391,7 @@ def horovod_worker(args):
             opt = hvdc.DistributedOptimizer(sgd, model.named_parameters(), compression=spec,
                                             bucket_mb=opts["bucket_mb"])
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-        base = None
+        base = base_model = base_opt = None
         if opts.get("paired") and how == "ours":
             base_model, base_batch = make_model({**opts, "rank": hvd.rank()}, seed=0)
             base_opt = hvd.DistributedOptimizer(
@@ -405,9 +405,7 @@ def horovod_worker(args):
         # Horovod's hooks tie the parameters and the optimizer in a cycle: without a collection
         # each row's model, gradients and state stay (the 109M-parameter encoder was killed for
         # memory at the sixth row).
-        del model, sgd, opt, base
-        if opts.get("paired") and how == "ours":
-            del base_model, base_opt
+        del model, sgd, opt, base, base_model, base_opt
         gc.collect()
     if hvd.rank() == 0:
         with open(args.result, "w") as f:
