@@ -40,8 +40,9 @@ template <class T> inline void prefetch_ahead(const T* p) {
   __builtin_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes, 0, 3);
 }
 
-// Outputs larger than this bypass the cache (non-temporal stores): they would not fit anyway,
-// and skipping the read-for-ownership saves a third of the memory traffic of a cast.
+// Payloads larger than this bypass the cache (non-temporal stores): they would not fit anyway,
+// and skipping the read-for-ownership saves a third of the memory traffic of a cast. Smaller
+// ones stay cached for Horovod, which reads them as soon as they are written.
 constexpr int64_t kStreamingBytes = 8 << 20;
 inline bool stream_to(const void* y, int64_t bytes) {
   return bytes >= kStreamingBytes && (reinterpret_cast<uintptr_t>(y) & 31) == 0;
