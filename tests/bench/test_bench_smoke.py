@@ -180,6 +180,7 @@ def test_network_measures_each_row_against_the_baseline_runs_around_it():
         [100.0] + [120.0] * every + [140.0] + [130.0] * (6 - every) + [120.0])
 
 
+# The same skip as the network bench's other runs: namespaces need root (CI has it and runs this).
 @pytest.mark.skipif(NETWORK_UNAVAILABLE is not None, reason=f"{NETWORK_UNAVAILABLE}")
 def test_network_paired_measures_our_rows_against_a_baseline_beside_them(tmp_path):
     """--paired: each of our rows' speedup is against the baseline steps that ran between its
