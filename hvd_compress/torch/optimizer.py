@@ -339,6 +339,7 @@ class _CompressedReduction:
         # The spec's momentum goes before the error feedback, as it does before other codecs'.
         self._hvdc_codec.plain_momentum(name, grad)
         member = self._hvdc_powersgd.start(name, grad, step)
+        self._hvdc_moving.extend(self._hvdc_powersgd.take_sent())
         sent = member.sent_elements * (8 if grad.dtype == torch.float64 else 4)
         self._hvdc_stats.record(name, "powersgd", nbytes, sent, collectives.ALLREDUCE,
                                 _ring_allreduce_bytes(sent, world))

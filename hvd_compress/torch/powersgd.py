@@ -13,11 +13,12 @@ Per parameter, viewing its gradient G as a matrix M (rows = first dimension):
     4. Allreduce P, asynchronously, with the other P of its group (below) in one grouped
        allreduce, issued from the backward hook when the group is complete (overlapped with
        backward).
-    In synchronize(), for all parameters before waiting on any second round:
+    Once the group's P is reduced: during backward, from a later gradient's hook that finds it
+    so (the optimizer polls), else in synchronize(), for all groups before waiting on any Q:
     5. Orthogonalise P (Gram-Schmidt).
     6. Q_i = M^T P, and E = M - P Q_i^T: what this rank's approximation missed.
     7. Allreduce Q, asynchronously, with its group's.
-    Then per parameter:
+    Then per group, once its Q is reduced (again from backward's hooks if it is by then):
     8. Q = Q_sum / world (op=Average), kept for the next step's warm start.
     9. G = P Q^T; on the CPU, whether G is finite (the optimizer's check that the step is kept)
        is found as it is written.
@@ -71,6 +72,7 @@ class PowerSGDReduction:
         self._open: dict[tuple[str, ...], _Batch] = {}
         self._open_groups: dict[tuple[str, ...], _Group] = {}
         self._step_groups: list[_Group] = []  # every group since the last end_step
+        self._sent: list[_Group] = []  # groups sent since the optimizer last took them
 
     def plan(self, named_tensors, bucket_bytes: int = 0) -> None:
         """named_tensors in the order backward is expected to produce them. With bucket_bytes,
@@ -137,6 +139,12 @@ class PowerSGDReduction:
             return _Group(self, batch.key)
         return group
 
+    def take_sent(self) -> list["_Group"]:
+        """The groups whose P went out since the last call: the optimizer moves them on as
+        their collectives finish, as it does its other plans."""
+        sent, self._sent = self._sent, []
+        return sent
+
     def end_step(self) -> None:
         """After every member's result was taken. A group and its batches refer to each other:
         left to the cycle collector, which runs by object counts, the step's gradients (the
@@ -144,13 +152,15 @@ class PowerSGDReduction:
         collection, and each step's new gradients fell on fresh pages."""
         for group in self._step_groups:
             group.batches = []
-        self._step_groups = []
+        self._step_groups, self._sent = [], []
         self._open.clear()
         self._open_groups.clear()
 
 
 class _Group:
-    """Batches whose P travel in one grouped allreduce, then their Q in another."""
+    """Batches whose P travel in one grouped allreduce, then their Q in another. ready(),
+    prepare() and done are the optimizer's interface to a plan in flight: prepare() moves the
+    group on by one collective."""
 
     def __init__(self, red: PowerSGDReduction, key: tuple[str, ...]):
         self.red, self.key = red, key
@@ -179,8 +189,20 @@ class _Group:
                                                    name=f"{self.label}.powersgd_p", op=hvd.Sum,
                                                    process_set=red.process_set)
         self.sent = True
+        red._sent.append(self)
+
+    def ready(self) -> bool:
+        """Whether prepare() would not wait: the collective in flight has finished."""
+        return self.done or hvd.poll(self.handle if self.q_handle is None else self.q_handle)
 
     def prepare(self) -> None:
+        """Steps 5-7 once P is in, else steps 8-9."""
+        if self.q_handle is None:
+            self.second_round()
+        else:
+            self.finish()
+
+    def second_round(self) -> None:
         """Steps 5-7."""
         if self.q_handle is not None:
             return
@@ -198,7 +220,7 @@ class _Group:
         """Steps 8-9."""
         if self.done:
             return
-        self.prepare()
+        self.second_round()
         wait(self.q_handle)
         for batch in self.batches:
             batch.finish()
@@ -306,7 +328,7 @@ class PowerSGDMember:
         return sum(matrix_shape(self.batch.arrived[self.name][0].shape)) * self.batch.red.state.rank
 
     def prepare(self) -> None:
-        self.batch.group.prepare()
+        self.batch.group.second_round()
 
     def __call__(self) -> torch.Tensor:
         self.batch.group.finish()
