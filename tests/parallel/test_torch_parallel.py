@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import time
 import warnings
 import weakref
 
@@ -652,6 +653,51 @@ def test_powersgd_batches_and_buckets_match_unbatched(monkeypatch, batch, bucket
     for name, slots in states[plain].items():
         for slot, value in slots.items():
             np.testing.assert_array_equal(value, states[other][name][slot])
+
+
+def test_powersgd_groups_whose_collective_finished_move_on_at_the_next_gradient():
+    """A group whose P is reduced takes steps 5-7 (its Q leaves) at the first gradient after,
+    and once Q is in, steps 8-9 at the next: during backward, not left to synchronize(). The
+    results and the state are the simulation's, bit for bit."""
+    spec = "powersgd,rank=2,start_iter=0"
+    shapes = [(20, 12), (12, 20), (16, 10), (30,)]
+    params, opt = powersgd_optimizer(spec, shapes)
+    sims = [PowerSGDKernelSimulation(spec, f"p{i}", WORLD) for i in range(3)]
+    rng = np.random.default_rng(7)
+
+    def settled():
+        deadline = time.monotonic() + 60
+        while not all(plan.ready() for plan in opt._hvdc_moving):
+            assert time.monotonic() < deadline, "the groups' collectives did not finish"
+            time.sleep(0.001)
+
+    for step in range(2):
+        grads = [[rng.standard_normal(s) for _ in range(WORLD)] for s in shapes]
+
+        def backward(i):
+            (params[i][1] * torch.from_numpy(grads[i][RANK]).float()).sum().backward()
+        opt.zero_grad()
+        backward(0)
+        opt._hvdc_counted(block=True)  # the next gradient routes one that waited for the count
+        backward(1)
+        groups = [opt._handles[params[i][1]][0].batch.group for i in (0, 1)]
+        assert all(g.sent for g in groups)
+        settled()
+        backward(2)  # a group whose P was in at backward(1) may be finished by now
+        assert all(g.q_handle is not None for g in groups)
+        settled()
+        backward(3)
+        assert all(g.done for g in groups)
+        opt.synchronize()
+        for i, sim in enumerate(sims):
+            want = sim([x.astype(np.float32) for x in grads[i]])
+            assert same_bits(t2n(params[i][1].grad), want), f"p{i}, step {step}"
+        with opt.skip_synchronize():
+            opt.step()
+    slots = opt.compression_state_dict()["slots"]
+    for i, sim in enumerate(sims):
+        assert same_bits(slots[f"p{i}"]["powersgd_qt"], t2n(sim.qt))
+        assert same_bits(slots[f"p{i}"]["ef"].reshape(shapes[i]), t2n(sim.e[RANK]))
 
 
 def test_powersgd_on_low_rank_gradients_equals_plain_allreduce():
