@@ -201,10 +201,12 @@ template <> __attribute__((target("avx2,f16c"))) inline __m256 widen8<bf16_t>(__
 template <class W>
 __attribute__((target("avx2,f16c"))) int64_t pair16_avx2(const uint16_t* own,
                                                          const uint32_t* summed, int64_t rank,
-                                                         int64_t n, float* out, float a) {
+                                                         int64_t n, float* out, float a,
+                                                         uint32_t* seen) {
   const __m256 va = _mm256_set1_ps(a);
   const __m256 zero = _mm256_setzero_ps();
   const bool stream = stream_later(out, 4 * n);
+  __m256i sv = _mm256_setzero_si256();
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
     prefetch_ahead(own + i);
@@ -218,22 +220,26 @@ __attribute__((target("avx2,f16c"))) int64_t pair16_avx2(const uint16_t* own,
       const __m128i h1 = h ? _mm256_extracti128_si256(r1, 1) : _mm256_castsi256_si128(r1);
       const __m256 acc = _mm256_add_ps(_mm256_add_ps(zero, _mm256_mul_ps(va, widen8<W>(h0))),
                                        _mm256_mul_ps(va, widen8<W>(h1)));
+      sv = seen_abs8(sv, acc);
       if (stream) _mm256_stream_ps(out + i + 8 * h, acc);
       else _mm256_storeu_ps(out + i + 8 * h, acc);
     }
   }
   if (stream) _mm_sfence();
+  *seen = seen_max8(*seen, sv);
   return i;
 }
 
+// Returns the largest |out| bit pattern (see seen_abs) for float32 out, else 0.
 template <class W, class T>
-void aggregate_pair16(const uint16_t* own, const uint32_t* summed, int64_t rank, int64_t n,
-                      T* out, double alpha) {
+uint32_t aggregate_pair16(const uint16_t* own, const uint32_t* summed, int64_t rank, int64_t n,
+                          T* out, double alpha) {
   using A = typename Acc<T>::type;
   int64_t i = 0;
+  uint32_t seen = 0;
   if constexpr (std::is_same_v<T, float>) {
     if (cpu_has_avx2_f16c())
-      i = pair16_avx2<W>(own, summed, rank, n, out, static_cast<float>(alpha));
+      i = pair16_avx2<W>(own, summed, rank, n, out, static_cast<float>(alpha), &seen);
   }
   const A a = static_cast<A>(alpha);
   for (; i < n; ++i) {
@@ -245,7 +251,9 @@ void aggregate_pair16(const uint16_t* own, const uint32_t* summed, int64_t rank,
     A acc = A(0) + a * static_cast<A>(from_wire<W>(h0));
     acc = acc + a * static_cast<A>(from_wire<W>(h1));
     out[i] = from_acc<T>(acc);
+    if constexpr (std::is_same_v<T, float>) seen = seen_abs(seen, out[i]);
   }
+  return seen;
 }
 
 }  // namespace
@@ -299,13 +307,16 @@ void aggregate(CodecId c, DType d, const void* payloads, int64_t ranks, int64_t 
 }
 
 void aggregate_pair(CodecId c, DType d, const void* own, const int32_t* summed, int64_t rank,
-                    int64_t n, void* out, double alpha) {
+                    int64_t n, void* out, double alpha, bool* finite) {
   dispatch_dtype(d, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     const auto* h = static_cast<const uint16_t*>(own);
     const auto* w = reinterpret_cast<const uint32_t*>(summed);
-    if (c == kFP16) aggregate_pair16<half_t>(h, w, rank, n, static_cast<T*>(out), alpha);
-    else aggregate_pair16<bf16_t>(h, w, rank, n, static_cast<T*>(out), alpha);
+    const uint32_t seen =
+        c == kFP16 ? aggregate_pair16<half_t>(h, w, rank, n, static_cast<T*>(out), alpha)
+                   : aggregate_pair16<bf16_t>(h, w, rank, n, static_cast<T*>(out), alpha);
+    if (finite)
+      *finite = std::is_same_v<T, float> ? seen < kInfBits : all_finite(d, out, n);
   });
 }
 

@@ -70,6 +70,23 @@ __attribute__((target("avx2"))) inline void stream_copy_avx2(void* dst, const vo
   std::memcpy(d + i, s + i, static_cast<size_t>(bytes - i));
 }
 
+// The step's finiteness check of float32 results, made as they are stored instead of by a pass
+// that reads them back (from memory, where they were streamed): the largest |v| bit pattern
+// stored, above which lie the patterns of Inf and NaN only. The aggregations of fp16, bf16,
+// minmax8, dithering and natural set their `finite` (hvdc/kernels.h) so for float32 out.
+constexpr uint32_t kInfBits = 0x7f800000u;
+inline uint32_t seen_abs(uint32_t seen, float v) { return std::max(seen, f32_bits(v) & 0x7fffffffu); }
+__attribute__((target("avx2"))) inline __m256i seen_abs8(__m256i seen, __m256 v) {
+  return _mm256_max_epi32(seen, _mm256_and_si256(_mm256_castps_si256(v),
+                                                 _mm256_set1_epi32(0x7fffffff)));
+}
+__attribute__((target("avx2"))) inline uint32_t seen_max8(uint32_t seen, __m256i v) {
+  alignas(32) uint32_t m[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(m), v);
+  for (int u = 0; u < 8; ++u) seen = std::max(seen, m[u]);
+  return seen;
+}
+
 // aggregate_pair of the quantisers reduces a block of this many codes at a time: the other
 // rank's are taken off the word sum into a buffer (at most 4 KiB) first, then read like a
 // gathered payload's. Reading each SIMD step's straight after computing it stalls on store
@@ -125,7 +142,7 @@ void decode(CodecId c, DType d, const void* payload, int64_t n, void* out, doubl
 void aggregate(CodecId c, DType d, const void* payloads, int64_t ranks, int64_t stride, int64_t n,
                void* out, double alpha);
 void aggregate_pair(CodecId c, DType d, const void* own, const int32_t* summed, int64_t rank,
-                    int64_t n, void* out, double alpha);
+                    int64_t n, void* out, double alpha, bool* finite);
 }  // namespace cast
 namespace sign {
 int64_t payload_bytes(int64_t n);
@@ -173,9 +190,9 @@ void ef_encode(DType d, const void* x, const void* e_in, void* e, int64_t n, con
 void decode(DType d, const void* payload, int64_t n, const Params& p, void* out, double alpha,
             bool acc);
 void aggregate(DType d, const void* payloads, int64_t ranks, int64_t stride, int64_t n,
-               const Params& p, void* out, double alpha, bool acc);
+               const Params& p, void* out, double alpha, bool acc, bool* finite = nullptr);
 void aggregate_pair(DType d, const void* own, const int32_t* summed, int64_t rank, int64_t n,
-                    const Params& p, void* out, double alpha);
+                    const Params& p, void* out, double alpha, bool* finite);
 }  // namespace minmax8
 namespace quant {
 int64_t dither_payload_bytes(int64_t n, int64_t s);
@@ -186,15 +203,16 @@ void dither_encode(DType d, const void* x, int64_t n, const Params& p, void* pay
 void dither_ef_encode(DType d, const void* x, const void* e_in, void* e, int64_t n,
                       const Params& p, void* payload, double alpha);
 void dither_aggregate(DType d, const void* payloads, int64_t ranks, int64_t stride, int64_t n,
-                      const Params& p, void* out, double alpha, bool acc);
+                      const Params& p, void* out, double alpha, bool acc,
+                      bool* finite = nullptr);
 void dither_aggregate_pair(DType d, const void* own, const int32_t* summed, int64_t rank,
-                           int64_t n, const Params& p, void* out, double alpha);
+                           int64_t n, const Params& p, void* out, double alpha, bool* finite);
 int64_t natural_payload_bytes(int64_t n);
 void natural_encode(DType d, const void* x, int64_t n, const Params& p, void* payload);
 void natural_aggregate(DType d, const void* payloads, int64_t ranks, int64_t stride, int64_t n,
-                       void* out, double alpha, bool acc);
+                       void* out, double alpha, bool acc, bool* finite = nullptr);
 void natural_aggregate_pair(DType d, const void* own, const int32_t* summed, int64_t rank,
-                            int64_t n, void* out, double alpha);
+                            int64_t n, void* out, double alpha, bool* finite);
 }  // namespace quant
 namespace homo {
 // Arguments checked by dispatch.cc; w = homo_bits(levels, lane_ranks) <= 32.

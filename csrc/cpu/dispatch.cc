@@ -225,10 +225,6 @@ void aggregate_unchecked(CodecId c, DType d, const void* payloads, int64_t ranks
                          int64_t n, const Params& p, void* out, double alpha) {
   if (is_sign(c)) return sign::aggregate(c, d, payloads, ranks, stride, n, out, alpha);
   if (c == kFP16 || c == kBF16Codec) return cast::aggregate(c, d, payloads, ranks, stride, n, out, alpha);
-  if (c == kMinMax8)
-    return minmax8::aggregate(d, payloads, ranks, stride, n, p, out, alpha, false);
-  if (c == kDither) return quant::dither_aggregate(d, payloads, ranks, stride, n, p, out, alpha, false);
-  if (c == kNatural) return quant::natural_aggregate(d, payloads, ranks, stride, n, out, alpha, false);
   throw KernelError(std::string(codec_name(c)) +
                     " payloads are reduced by allreduce, not aggregated locally");
 }
@@ -247,6 +243,13 @@ void aggregate(CodecId c, DType d, const void* payloads, int64_t ranks, int64_t 
   if (c == kTopK) return topk::aggregate(d, payloads, ranks, stride, n, p, out, alpha, finite);
   if (c == kDGC)
     return sparse::dgc_aggregate(d, payloads, ranks, stride, n, p, out, alpha, false, finite);
+  // These find finite as they write out.
+  if (c == kMinMax8)
+    return minmax8::aggregate(d, payloads, ranks, stride, n, p, out, alpha, false, finite);
+  if (c == kDither)
+    return quant::dither_aggregate(d, payloads, ranks, stride, n, p, out, alpha, false, finite);
+  if (c == kNatural)
+    return quant::natural_aggregate(d, payloads, ranks, stride, n, out, alpha, false, finite);
   aggregate_unchecked(c, d, payloads, ranks, stride, n, p, out, alpha);
   if (finite) *finite = all_finite(d, out, n);
 }
@@ -258,11 +261,10 @@ bool pair_aggregates(CodecId c) {
 void aggregate_pair(CodecId c, DType d, const void* own, const int32_t* summed, int64_t rank,
                     int64_t n, const Params& p, void* out, double alpha, bool* finite) {
   check_pair(c, d, rank, n, p);
-  if (c == kDither) quant::dither_aggregate_pair(d, own, summed, rank, n, p, out, alpha);
-  else if (c == kNatural) quant::natural_aggregate_pair(d, own, summed, rank, n, out, alpha);
-  else if (c == kMinMax8) minmax8::aggregate_pair(d, own, summed, rank, n, p, out, alpha);
-  else cast::aggregate_pair(c, d, own, summed, rank, n, out, alpha);
-  if (finite) *finite = all_finite(d, out, n);
+  if (c == kDither) quant::dither_aggregate_pair(d, own, summed, rank, n, p, out, alpha, finite);
+  else if (c == kNatural) quant::natural_aggregate_pair(d, own, summed, rank, n, out, alpha, finite);
+  else if (c == kMinMax8) minmax8::aggregate_pair(d, own, summed, rank, n, p, out, alpha, finite);
+  else cast::aggregate_pair(c, d, own, summed, rank, n, out, alpha, finite);
 }
 
 int64_t encoded_bytes(CodecId c, DType d, const void* payload, int64_t n, const Params& p) {

@@ -100,9 +100,10 @@ __attribute__((target("avx2"))) void codes_f32_avx2(const float* x, int64_t len,
 
 // out[j0, len) (+)= sum over ranks of alpha * (lo_r + code_r * step_r), rank 0 first, per
 // element in the accumulator type: what every decode and aggregation of minmax8 computes.
+// Returns seen folded with the largest |out| bit pattern (see seen_abs) for float32 out.
 template <class T>
-void sum_chunk(const uint8_t* const* codes, const Grid* g, int64_t ranks, int64_t j0,
-               int64_t len, double alpha, bool acc, T* out) {
+uint32_t sum_chunk(const uint8_t* const* codes, const Grid* g, int64_t ranks, int64_t j0,
+                   int64_t len, double alpha, bool acc, T* out, uint32_t seen) {
   using A = typename Acc<T>::type;
   const A al = static_cast<A>(alpha);
   for (int64_t j = j0; j < len; ++j) {
@@ -110,15 +111,19 @@ void sum_chunk(const uint8_t* const* codes, const Grid* g, int64_t ranks, int64_
     for (int64_t r = 0; r < ranks; ++r)
       sum += al * static_cast<A>(g[r].lo + static_cast<float>(codes[r][j]) * g[r].step);
     out[j] = from_acc<T>(sum);
+    if constexpr (std::is_same_v<T, float>) seen = seen_abs(seen, out[j]);
   }
+  return seen;
 }
 
 // sum_chunk for float32, 8 elements per step; stream: out is 32-byte aligned and not read.
 __attribute__((target("avx2"))) int64_t sum_chunk_f32_avx2(const uint8_t* const* codes,
                                                           const Grid* g, int64_t ranks,
                                                           int64_t len, float alpha, bool acc,
-                                                          bool stream, float* out) {
+                                                          bool stream, float* out,
+                                                          uint32_t* seen) {
   const __m256 va = _mm256_set1_ps(alpha);
+  __m256i sv = _mm256_setzero_si256();
   int64_t j = 0;
   for (; j + 8 <= len; j += 8) {
     __m256 sum = acc ? _mm256_loadu_ps(out + j) : _mm256_setzero_ps();
@@ -128,21 +133,25 @@ __attribute__((target("avx2"))) int64_t sum_chunk_f32_avx2(const uint8_t* const*
       const __m256 v = _mm256_add_ps(_mm256_set1_ps(g[r].lo), _mm256_mul_ps(c, _mm256_set1_ps(g[r].step)));
       sum = _mm256_add_ps(sum, _mm256_mul_ps(va, v));
     }
+    sv = seen_abs8(sv, sum);
     if (stream) _mm256_stream_ps(out + j, sum);
     else _mm256_storeu_ps(out + j, sum);
   }
+  *seen = seen_max8(*seen, sv);
   return j;
 }
 
+// As sum_chunk, seen included.
 template <class T>
-void add_chunk(const uint8_t* const* codes, const Grid* g, int64_t ranks, int64_t len,
-               double alpha, bool acc, bool stream, T* out) {
+uint32_t add_chunk(const uint8_t* const* codes, const Grid* g, int64_t ranks, int64_t len,
+                   double alpha, bool acc, bool stream, T* out, uint32_t seen = 0) {
   int64_t j = 0;
   if constexpr (std::is_same_v<T, float>) {
     if (cpu_has_avx2_f16c())
-      j = sum_chunk_f32_avx2(codes, g, ranks, len, static_cast<float>(alpha), acc, stream, out);
+      j = sum_chunk_f32_avx2(codes, g, ranks, len, static_cast<float>(alpha), acc, stream, out,
+                             &seen);
   }
-  sum_chunk(codes, g, ranks, j, len, alpha, acc, out);
+  return sum_chunk(codes, g, ranks, j, len, alpha, acc, out, seen);
 }
 
 // Bounds and codes of one chunk, [lo, hi] into bounds.
@@ -229,7 +238,7 @@ void decode(DType d, const void* payload, int64_t n, const Params& p, void* out,
 }
 
 void aggregate(DType d, const void* payloads, int64_t ranks, int64_t stride, int64_t n,
-               const Params& p, void* out, double alpha, bool acc) {
+               const Params& p, void* out, double alpha, bool acc, bool* finite) {
   const int64_t c = p.chunk;
   const auto* base = static_cast<const uint8_t*>(payloads);
   std::vector<Layout> rank(static_cast<size_t>(ranks));
@@ -244,20 +253,24 @@ void aggregate(DType d, const void* payloads, int64_t ranks, int64_t stride, int
     using T = std::remove_pointer_t<decltype(tag)>;
     T* o = static_cast<T*>(out);
     const bool stream = !acc && c % 8 == 0 && stream_later(out, static_cast<int64_t>(sizeof(T)) * n);
+    uint32_t seen = 0;
     for (int64_t k = 0; k * c < n; ++k) {
       const int64_t s = k * c;
       for (int64_t r = 0; r < ranks; ++r) {
         codes[r] = rank[r].codes + s;
         g[r] = grid(rank[r].bounds[2 * k], rank[r].bounds[2 * k + 1]);
       }
-      add_chunk(codes.data(), g.data(), ranks, std::min(c, n - s), alpha, acc, stream, o + s);
+      seen = add_chunk(codes.data(), g.data(), ranks, std::min(c, n - s), alpha, acc, stream,
+                       o + s, seen);
     }
     if (stream) _mm_sfence();
+    if (finite)
+      *finite = std::is_same_v<T, float> ? seen < kInfBits : all_finite(d, out, n);
   });
 }
 
 void aggregate_pair(DType d, const void* own, const int32_t* summed, int64_t rank, int64_t n,
-                    const Params& p, void* out, double alpha) {
+                    const Params& p, void* out, double alpha, bool* finite) {
   const int64_t c = p.chunk, bytes = payload_bytes(n, c);
   const auto* mine = static_cast<const uint8_t*>(own);
   const auto* sum = reinterpret_cast<const uint8_t*>(summed);
@@ -265,7 +278,7 @@ void aggregate_pair(DType d, const void* own, const int32_t* summed, int64_t ran
     std::vector<uint8_t> rows(static_cast<size_t>(2 * bytes));
     std::memcpy(rows.data() + rank * bytes, mine, static_cast<size_t>(bytes));
     subtract_words(sum, mine, bytes, rows.data() + (1 - rank) * bytes);
-    return aggregate(d, rows.data(), 2, bytes, n, p, out, alpha, false);
+    return aggregate(d, rows.data(), 2, bytes, n, p, out, alpha, false, finite);
   }
   // The other rank's header and bounds (words), then its codes a block at a time.
   const int64_t head = kHeader + 8 * chunks(n, c);
@@ -286,6 +299,7 @@ void aggregate_pair(DType d, const void* own, const int32_t* summed, int64_t ran
     const bool stream = c % 8 == 0 && stream_later(out, static_cast<int64_t>(sizeof(T)) * n);
     Grid g[2];
     const uint8_t* codes[2];
+    uint32_t seen = 0;
     for (int64_t k = 0; k * c < n; ++k) {
       const int64_t s = k * c, len = std::min(c, n - s);
       for (int64_t r = 0; r < 2; ++r)
@@ -296,10 +310,12 @@ void aggregate_pair(DType d, const void* own, const int32_t* summed, int64_t ran
         subtract_words(sum + at + s + b0, mine + at + s + b0, (m + 3) / 4 * 4, theirs);
         codes[rank] = mine + at + s + b0;
         codes[1 - rank] = theirs;
-        add_chunk(codes, g, 2, m, alpha, false, stream, o + s + b0);
+        seen = add_chunk(codes, g, 2, m, alpha, false, stream, o + s + b0, seen);
       }
     }
     if (stream) _mm_sfence();
+    if (finite)
+      *finite = std::is_same_v<T, float> ? seen < kInfBits : all_finite(d, out, n);
   });
 }
 

@@ -355,8 +355,9 @@ __attribute__((target("avx2"))) int64_t natural_sum_f32_avx2(const uint8_t* cons
                                                             int64_t ranks, int64_t n,
                                                             const float* lv, const int32_t* tops,
                                                             float al, bool acc, bool stream,
-                                                            float* out) {
+                                                            float* out, uint32_t* seen) {
   const __m256 va = _mm256_set1_ps(al);
+  __m256i sv = _mm256_setzero_si256();
   int64_t i = 0;
   for (; i + 32 <= n; i += 32) {
     __m256 s[4];
@@ -373,10 +374,12 @@ __attribute__((target("avx2"))) int64_t natural_sum_f32_avx2(const uint8_t* cons
       }
     }
     for (int u = 0; u < 4; ++u) {
+      sv = seen_abs8(sv, s[u]);
       if (stream) _mm256_stream_ps(out + i + 8 * u, s[u]);
       else _mm256_storeu_ps(out + i + 8 * u, s[u]);
     }
   }
+  *seen = seen_max8(*seen, sv);
   return i;
 }
 
@@ -474,7 +477,8 @@ __attribute__((target("avx2"))) int64_t dither_sum_f32_avx2(const uint8_t* const
                                                            int64_t ranks, int64_t whole, int b,
                                                            int64_t s, const float* lv,
                                                            const float* q, float al, bool acc,
-                                                           bool stream, float* out) {
+                                                           bool stream, float* out,
+                                                           uint32_t* seen) {
   alignas(32) int8_t pick[32];
   alignas(32) int32_t shift[8];
   for (int j = 0; j < 8; ++j) {
@@ -488,6 +492,7 @@ __attribute__((target("avx2"))) int64_t dither_sum_f32_avx2(const uint8_t* const
   const __m256 va = _mm256_set1_ps(al);
   const __m256i vs = _mm256_set1_epi32(static_cast<int32_t>(s)),
                 top = _mm256_set1_epi32(static_cast<int32_t>(2 * s));
+  __m256i sv = _mm256_setzero_si256();
   int64_t i = 0;
   for (; i + 32 <= whole; i += 32) {
     __m256 sum[4];
@@ -511,10 +516,12 @@ __attribute__((target("avx2"))) int64_t dither_sum_f32_avx2(const uint8_t* const
       }
     }
     for (int u = 0; u < 4; ++u) {
+      sv = seen_abs8(sv, sum[u]);
       if (stream) _mm256_stream_ps(out + i + 8 * u, sum[u]);
       else _mm256_storeu_ps(out + i + 8 * u, sum[u]);
     }
   }
+  *seen = seen_max8(*seen, sv);
   return i;
 }
 
@@ -531,8 +538,9 @@ void check_dither_header(const uint8_t* h, DType d, const Params& p, int64_t r) 
 // Sum over ranks of alpha * D(payload_r) from rows[r], accumulated in the gradient's
 // accumulator type. With summed (two ranks, gather_rows' int32 sum of both payloads' words),
 // rank `other`'s payload is that sum minus the other rank's: rows[other] then holds only its
-// 16-byte header, and its codes are taken off the sum where they are read.
-void dither_sum(DType d, const uint8_t* const* rows, int64_t ranks, const uint8_t* summed,
+// 16-byte header, and its codes are taken off the sum where they are read. Returns the largest
+// |out| bit pattern (see seen_abs) for float32 out, else 0.
+uint32_t dither_sum(DType d, const uint8_t* const* rows, int64_t ranks, const uint8_t* summed,
                 int64_t other, int64_t n, const Params& p, void* out, double alpha, bool acc) {
   const int b = bits_for(p.s);
   const int64_t cap = code_bytes(n, b);
@@ -549,6 +557,7 @@ void dither_sum(DType d, const uint8_t* const* rows, int64_t ranks, const uint8_
     dither_values(norm, p, table.data() + r * nc);
     q[r] = norm / static_cast<float>(p.s);
   }
+  uint32_t seen = 0;
   dispatch_dtype(d, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     using A = typename Acc<T>::type;
@@ -560,9 +569,9 @@ void dither_sum(DType d, const uint8_t* const* rows, int64_t ranks, const uint8_
         const bool linear = p.partition != kNaturalLevels;
         auto sum_f32 = [&](const uint8_t* const* c, int64_t k, int64_t len, bool stream, float* to) {
           return linear ? dither_sum_f32_avx2<true>(c, k, len, b, p.s, table.data(), q.data(), al,
-                                                    acc, stream, to)
+                                                    acc, stream, to, &seen)
                         : dither_sum_f32_avx2<false>(c, k, len, b, p.s, table.data(), q.data(), al,
-                                                     acc, stream, to);
+                                                     acc, stream, to, &seen);
         };
         // The steps whose groups' 8-byte loads stay inside the codes.
         const int64_t whole = std::min(n, (cap - 8) / b * 8 + 8);
@@ -613,9 +622,13 @@ void dither_sum(DType d, const uint8_t* const* rows, int64_t ranks, const uint8_
           }
         }
       }
-      for (int64_t j = 0; j < len; ++j) o[s0 + j] = from_acc<T>(sum[j]);
+      for (int64_t j = 0; j < len; ++j) {
+        o[s0 + j] = from_acc<T>(sum[j]);
+        if constexpr (std::is_same_v<T, float>) seen = seen_abs(seen, o[s0 + j]);
+      }
     }
   });
+  return seen;
 }
 }  // namespace
 
@@ -629,14 +642,15 @@ void dither_ef_encode(DType d, const void* x, const void* e_in, void* e, int64_t
 }
 
 void dither_aggregate(DType d, const void* payloads, int64_t ranks, int64_t stride, int64_t n,
-                      const Params& p, void* out, double alpha, bool acc) {
+                      const Params& p, void* out, double alpha, bool acc, bool* finite) {
   std::vector<const uint8_t*> rows(static_cast<size_t>(ranks));
   for (int64_t r = 0; r < ranks; ++r) rows[r] = static_cast<const uint8_t*>(payloads) + r * stride;
-  dither_sum(d, rows.data(), ranks, nullptr, -1, n, p, out, alpha, acc);
+  const uint32_t seen = dither_sum(d, rows.data(), ranks, nullptr, -1, n, p, out, alpha, acc);
+  if (finite) *finite = d == kF32 ? seen < kInfBits : all_finite(d, out, n);
 }
 
 void dither_aggregate_pair(DType d, const void* own, const int32_t* summed, int64_t rank,
-                           int64_t n, const Params& p, void* out, double alpha) {
+                           int64_t n, const Params& p, void* out, double alpha, bool* finite) {
   const auto* mine = static_cast<const uint8_t*>(own);
   const auto* sum = reinterpret_cast<const uint8_t*>(summed);
   uint8_t header[kDitherHeader];
@@ -644,7 +658,8 @@ void dither_aggregate_pair(DType d, const void* own, const int32_t* summed, int6
   const uint8_t* rows[2];
   rows[rank] = mine;
   rows[1 - rank] = header;
-  dither_sum(d, rows, 2, sum, 1 - rank, n, p, out, alpha, false);
+  const uint32_t seen = dither_sum(d, rows, 2, sum, 1 - rank, n, p, out, alpha, false);
+  if (finite) *finite = d == kF32 ? seen < kInfBits : all_finite(d, out, n);
 }
 
 int64_t natural_payload_bytes(int64_t n) { return kNaturalHeader + (n + 7) / 8 * 8; }
@@ -691,10 +706,11 @@ void natural_encode(DType d, const void* x, int64_t n, const Params& p, void* pa
 namespace {
 // Sum over ranks of alpha * D(payload_r) from rows[r], in the accumulator type; with summed, as
 // dither_sum: rank `other`'s payload is the word sum minus the other rank's (rows[other] its
-// 8-byte header only).
-void natural_sum(DType d, const uint8_t* const* rows, int64_t ranks, const uint8_t* summed,
-                 int64_t other, int64_t n, void* out, double alpha, bool acc) {
+// 8-byte header only). Returns the largest |out| bit pattern as dither_sum does.
+uint32_t natural_sum(DType d, const uint8_t* const* rows, int64_t ranks, const uint8_t* summed,
+                     int64_t other, int64_t n, void* out, double alpha, bool acc) {
   for (int64_t r = 0; r < ranks; ++r) check_tag(rows[r], kNatural, d, r);
+  uint32_t seen = 0;
   dispatch_dtype(d, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     using A = typename Acc<T>::type;
@@ -723,8 +739,10 @@ void natural_sum(DType d, const uint8_t* const* rows, int64_t ranks, const uint8
       if (cpu_has_avx2_f16c()) {
         const bool stream = !acc && stream_later(o, 4 * n);
         auto sum_f32 = [&](const uint8_t* const* c, int64_t k, int64_t len, float* to) {
-          return bits ? natural_sum_f32_avx2<true>(c, k, len, lv.data(), tops.data(), al, acc, stream, to)
-                      : natural_sum_f32_avx2<false>(c, k, len, lv.data(), tops.data(), al, acc, stream, to);
+          return bits ? natural_sum_f32_avx2<true>(c, k, len, lv.data(), tops.data(), al, acc,
+                                                   stream, to, &seen)
+                      : natural_sum_f32_avx2<false>(c, k, len, lv.data(), tops.data(), al, acc,
+                                                    stream, to, &seen);
         };
         if (!summed) {
           done = sum_f32(codes.data(), ranks, n, o);
@@ -757,20 +775,23 @@ void natural_sum(DType d, const uint8_t* const* rows, int64_t ranks, const uint8
       A sum = acc ? to_acc(o[j]) : A(0);
       for (int64_t r = 0; r < ranks; ++r) sum += al * lv[256 * r + codes[r][j - done]];
       o[j] = from_acc<T>(sum);
+      if constexpr (std::is_same_v<T, float>) seen = seen_abs(seen, o[j]);
     }
   });
+  return seen;
 }
 }  // namespace
 
 void natural_aggregate(DType d, const void* payloads, int64_t ranks, int64_t stride, int64_t n,
-                       void* out, double alpha, bool acc) {
+                       void* out, double alpha, bool acc, bool* finite) {
   std::vector<const uint8_t*> rows(static_cast<size_t>(ranks));
   for (int64_t r = 0; r < ranks; ++r) rows[r] = static_cast<const uint8_t*>(payloads) + r * stride;
-  natural_sum(d, rows.data(), ranks, nullptr, -1, n, out, alpha, acc);
+  const uint32_t seen = natural_sum(d, rows.data(), ranks, nullptr, -1, n, out, alpha, acc);
+  if (finite) *finite = d == kF32 ? seen < kInfBits : all_finite(d, out, n);
 }
 
 void natural_aggregate_pair(DType d, const void* own, const int32_t* summed, int64_t rank,
-                            int64_t n, void* out, double alpha) {
+                            int64_t n, void* out, double alpha, bool* finite) {
   const auto* mine = static_cast<const uint8_t*>(own);
   const auto* sum = reinterpret_cast<const uint8_t*>(summed);
   uint8_t header[kNaturalHeader];
@@ -778,7 +799,8 @@ void natural_aggregate_pair(DType d, const void* own, const int32_t* summed, int
   const uint8_t* rows[2];
   rows[rank] = mine;
   rows[1 - rank] = header;
-  natural_sum(d, rows, 2, sum, 1 - rank, n, out, alpha, false);
+  const uint32_t seen = natural_sum(d, rows, 2, sum, 1 - rank, n, out, alpha, false);
+  if (finite) *finite = d == kF32 ? seen < kInfBits : all_finite(d, out, n);
 }
 
 }  // namespace quant

@@ -87,7 +87,8 @@ void aggregate(CodecId codec, DType dtype, const void* payloads, int64_t ranks, 
 // payload, `summed` the sum of both payloads' bytes as little-endian int32 words (the last one
 // zero-padded), `rank` 0 or 1. The other payload is summed - own, word by word, decoded in the
 // same pass: out equals aggregate() of the two payloads in rank order, bit for bit. `finite`
-// as aggregate's, by a pass over out.
+// as aggregate's; for float32 out it is found as out is written, not by a pass that reads it
+// back.
 bool pair_aggregates(CodecId codec);
 void aggregate_pair(CodecId codec, DType dtype, const void* own, const int32_t* summed,
                     int64_t rank, int64_t n, const Params& p, void* out, double alpha,
