@@ -124,20 +124,25 @@ def test_minmax8_aggregate_pair_equals_aggregate_of_both_payloads(chunk, n, dtyp
     """minmax8 from its own payload and the words' sum, as fp16 below: chunks whose codes
     start on a word (taken off the sum a block of at most 4096 at a time: 5000 is two) and
     chunks of 30 (they do not: the other payload is written out), a NaN chunk in one rank's
-    payload."""
+    payload. The step's finiteness check, found as the sum is written, agrees with the sum's,
+    also for a NaN in the last element only (a tail after the last SIMD step, for most n)."""
     p = params(chunk=chunk)
-    xs = [random_grad(n, dtype, seed=400 + n + r) for r in range(2)]
-    if n > 8:
-        xs[1][3] = float("nan")
-    payloads = [encode("minmax8", x, p) for x in xs]
-    raw = [payload_bytes(pl) for pl in payloads]
-    summed = summed_words(raw)
-    for alpha in (0.5, -0.25):
-        want = ref.aggregate("minmax8", raw, n, dtype, alpha)
-        for rank in range(2):
-            out = torch.full((n,), 3.0, dtype=xs[0].dtype)
-            _C.aggregate_pair(ID["minmax8"], payloads[rank], summed, rank, out, p, alpha)
-            assert same_bits(t2n(out), want), f"rank {rank}, alpha {alpha}"
+    for bad in (None, 3, n - 1):
+        xs = [random_grad(n, dtype, seed=400 + n + r) for r in range(2)]
+        if bad is not None and 0 <= bad < n:
+            xs[1][bad] = float("nan")
+        payloads = [encode("minmax8", x, p) for x in xs]
+        raw = [payload_bytes(pl) for pl in payloads]
+        summed = summed_words(raw)
+        for alpha in (0.5, -0.25):
+            want = ref.aggregate("minmax8", raw, n, dtype, alpha)
+            for rank in range(2):
+                out = torch.full((n,), 3.0, dtype=xs[0].dtype)
+                finite = _C.aggregate_pair(ID["minmax8"], payloads[rank], summed, rank, out, p,
+                                           alpha, check_finite=True)
+                case = f"rank {rank}, alpha {alpha}, NaN at {bad}"
+                assert same_bits(t2n(out), want), case
+                assert finite == bool(torch.isfinite(out).all()), case
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -147,21 +152,30 @@ def test_aggregate_pair_equals_aggregate_of_both_payloads(codec, n, dtype):
     """Two ranks that gather by a sum (collectives.gather_rows) reduce from their own payload
     and the words' sum: each rank gets what aggregate of both payloads in rank order gives (the
     numpy reference), bit for bit, for odd lengths (a last word half filled), NaN, inf and
-    values that overflow half precision, and words whose sum wraps or carries between halves."""
-    xs = [random_grad(n, dtype, seed=200 + n + r) for r in range(2)]
-    if n > 8:
-        xs[0][:4] = torch.tensor([float("nan"), float("inf"), -1e6, 7e4]).to(xs[0].dtype)
-        xs[1][5:8] = torch.tensor([float("-inf"), -0.0, 1e-30]).to(xs[1].dtype)
+    values that overflow half precision, and words whose sum wraps or carries between halves.
+    The step's finiteness check, found as the sum is written, agrees with the sum's: with
+    those values, with none, and with an inf in the last element only (for most n a tail after
+    the last SIMD step)."""
     p = params()
-    payloads = [encode(codec, x, p) for x in xs]
-    raw = [payload_bytes(pl) for pl in payloads]
-    summed = summed_words(raw)
-    for alpha in (0.5, 1.0, -0.25):
-        want = ref.aggregate(codec, raw, n, dtype, alpha)
-        for rank in range(2):
-            out = torch.empty(n, dtype=xs[0].dtype)
-            _C.aggregate_pair(ID[codec], payloads[rank], summed, rank, out, p, alpha)
-            assert same_bits(t2n(out), want), f"rank {rank} alpha {alpha}"
+    for case in ("special", "finite", "last"):
+        xs = [random_grad(n, dtype, seed=200 + n + r) for r in range(2)]
+        if case == "special" and n > 8:
+            xs[0][:4] = torch.tensor([float("nan"), float("inf"), -1e6, 7e4]).to(xs[0].dtype)
+            xs[1][5:8] = torch.tensor([float("-inf"), -0.0, 1e-30]).to(xs[1].dtype)
+        if case == "last" and n:
+            xs[1][n - 1] = float("inf")
+        payloads = [encode(codec, x, p) for x in xs]
+        raw = [payload_bytes(pl) for pl in payloads]
+        summed = summed_words(raw)
+        for alpha in (0.5, 1.0, -0.25):
+            want = ref.aggregate(codec, raw, n, dtype, alpha)
+            for rank in range(2):
+                out = torch.empty(n, dtype=xs[0].dtype)
+                finite = _C.aggregate_pair(ID[codec], payloads[rank], summed, rank, out, p,
+                                           alpha, check_finite=True)
+                where = f"rank {rank} alpha {alpha}, {case}"
+                assert same_bits(t2n(out), want), where
+                assert finite == bool(torch.isfinite(out).all()), where
 
 
 # Past 2 MiB (kLaterBytes in csrc/cpu/common.h) a result that is read only later goes around the

@@ -75,6 +75,35 @@ def test_aggregate_matches_reference(spec, ranks, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("spec", SPECS + ["minmax8"])
+def test_aggregate_finds_whether_the_sum_is_finite(spec, dtype):
+    """The step's finiteness check of three gathered payloads, found as the sum is written:
+    the unchecked call's bits, and True exactly when every element of the sum is finite. With
+    a NaN, and with the dtype's largest values on every rank, whose sum at alpha 1 overflows
+    (where the codec keeps them: terngrad clips them), in a SIMD step or in the tail."""
+    n = 3001
+    codec, cid, fields, _ = setup(spec, n, 0)
+    seen = set()
+    for bad, at in ((None, 0), ("nan", n // 2), ("big", n // 2), ("big", n - 1)):
+        xs = [random_grad(n, dtype, seed=700 + r) for r in range(3)]
+        for x in xs:
+            if bad == "big":
+                x[at] = 0.9 * torch.finfo(x.dtype).max
+        if bad == "nan":
+            xs[2][at] = float("nan")
+        payloads = [encode(cid, x, params(seed=80 + r, **fields)) for r, x in enumerate(xs)]
+        gathered = torch.stack([pl.view(torch.uint8).reshape(-1) for pl in payloads])
+        p = params(**fields)
+        out, unchecked = torch.empty_like(xs[0]), torch.empty_like(xs[0])
+        finite = _C.aggregate(cid, gathered, out, p, 1.0, check_finite=True)
+        _C.aggregate(cid, gathered, unchecked, p, 1.0)
+        assert same_bits(t2n(out), t2n(unchecked)), f"{bad} at {at}"
+        assert finite == bool(torch.isfinite(out).all()), f"{bad} at {at}"
+        seen.add(finite)
+    assert seen == {True, False}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("spec", SPECS)
 def test_error_feedback_matches_reference(spec, dtype):
     n = 2050
@@ -219,22 +248,32 @@ def test_ranks_with_other_settings_are_refused():
 def test_aggregate_pair_equals_aggregate_of_both_payloads(spec, n, dtype):
     """Two Gloo ranks gather these payloads by the int32 sum of their words: each rank
     reduces from its own payload and that sum what aggregate of both payloads in rank order
-    gives (the numpy reference), bit for bit; one rank's NaN decodes to NaN everywhere."""
+    gives (the numpy reference), bit for bit; one rank's NaN decodes to NaN everywhere. The
+    step's finiteness check, found as the sum is written, is the reference's: for a NaN, and
+    for the largest values of the dtype on both ranks, whose sum at alpha 1 overflows, in a
+    SIMD step or in the tail after the last."""
     from test_kernels import summed_words
     codec, cid, fields, p = setup(spec, n, 0)
-    for bad in (False, True):
+    for bad, at in ((None, 0), ("nan", n // 2), ("big", n // 2), ("big", n - 1)):
         xs = [random_grad(n, dtype, seed=300 + n + r) for r in range(2)]
-        if bad and n:
-            xs[1][n // 2] = float("nan")
+        if bad == "nan" and n:
+            xs[1][at] = float("nan")
+        if bad == "big" and n:
+            for x in xs:
+                x[at] = 0.9 * torch.finfo(x.dtype).max
         payloads = [encode(cid, x, params(seed=60 + r, **fields)) for r, x in enumerate(xs)]
         raw = [payload_bytes(pl) for pl in payloads]
         summed = summed_words(raw)
-        for alpha in (0.5, -0.25):
-            want = ref.aggregate(codec, raw, n, dtype, alpha)
+        for alpha in (0.5, -0.25, 1.0):
+            with np.errstate(over="ignore"):  # the overflow cases are meant
+                want = ref.aggregate(codec, raw, n, dtype, alpha)
             for rank in range(2):
                 out = torch.full((n,), 3.0, dtype=xs[0].dtype)
-                _C.aggregate_pair(cid, payloads[rank], summed, rank, out, p, alpha)
-                assert same_bits(t2n(out), want), f"rank {rank}, alpha {alpha}, nan {bad}"
+                finite = _C.aggregate_pair(cid, payloads[rank], summed, rank, out, p, alpha,
+                                           check_finite=True)
+                case = f"rank {rank}, alpha {alpha}, {bad} at {at}"
+                assert same_bits(t2n(out), want), case
+                assert finite == bool(torch.isfinite(out).all()), case
 
 
 def test_large_error_feedback_matches_reference():
