@@ -9,7 +9,10 @@ export OMPI_MCA_rmaps_base_oversubscribe := 1
 
 MPIRUN    := env HVDC_TWO_RANKS=1 mpirun --allow-run-as-root --oversubscribe -np 2 -x PATH -x HVDC_TWO_RANKS
 HVDRUN    := env HVDC_TWO_RANKS=1 horovodrun --gloo -np 2 -H localhost:2
-PYTEST    := -m pytest -q -p no:cacheprovider --color=no --timeout=300
+# A test's time limit from a watchdog thread: a rank blocked in a collective never returns to the
+# interpreter, where pytest-timeout's default (a signal) would be handled; the thread prints every
+# thread's stack and ends the rank, and the launcher the job.
+PYTEST    := -m pytest -q -p no:cacheprovider --color=no --timeout=300 --timeout-method=thread
 # No hang may outlive this: a stuck collective fails the run instead of stalling CI.
 LIMIT     := timeout -k 20 1200
 

@@ -39,3 +39,22 @@ def pytest_collection_modifyitems(config, items):
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = kept
+
+
+def _launched_ranks() -> int:
+    return int(os.environ.get("OMPI_COMM_WORLD_SIZE") or os.environ.get("HOROVOD_SIZE") or 1)
+
+
+def pytest_runtest_logreport(report):
+    """Under a launcher, a test that fails on one rank leaves the others waiting in a collective
+    it will never issue: the job would hang until the outer time limit, and the failure's text,
+    printed at the end of the session, would be lost with it. The failing rank prints it now and
+    exits, and the launcher then stops the job with its exit status."""
+    if report.failed and _launched_ranks() > 1:
+        rank = os.environ.get("OMPI_COMM_WORLD_RANK") or os.environ.get("HOROVOD_RANK") or "?"
+        sys.stderr.write(f"\n[rank {rank}] FAILED {report.nodeid} ({report.when}); stopping the "
+                         f"job: the other ranks cannot go on without this one\n"
+                         f"{report.longreprtext}\n")
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os._exit(1)
