@@ -152,10 +152,12 @@ inline uint64_t get_group(const uint8_t* codes, int64_t g, int b, int64_t cap) {
 // (error feedback's decode, fused: the rounding of dither_aggregate's accumulation for one
 // rank); resid may be x or y. A linear level's value is computed, not looked up: code - s as a
 // float times q = norm / s is the table's l * q with its sign, bit for bit, and a gather costs
-// more than the multiply.
+// more than the multiply. B, the code width, is a template argument: its shifts are then
+// immediates and the group offsets constant multiples, which frees the registers the loop spilled.
+template <int B>
 __attribute__((target("avx2"))) int64_t dither_linear_f32_avx2(const float* x, const float* y,
                                                                int64_t n, float scale, int64_t s,
-                                                               uint64_t seed, int b, int64_t cap,
+                                                               uint64_t seed, int64_t cap,
                                                                uint8_t* codes, float* resid,
                                                                float q, float alpha) {
   // A residual that fills no cache is written past it: no read for ownership.
@@ -167,8 +169,6 @@ __attribute__((target("avx2"))) int64_t dither_linear_f32_avx2(const float* x, c
   const __m256i m1 = _mm256_set1_epi64x(0x00ff00ff00ff00ffLL);
   const __m256i m2 = _mm256_set1_epi64x(0x0000ffff0000ffffLL);
   const __m256i m3 = _mm256_set1_epi64x(0x00000000ffffffffLL);
-  const __m128i r1 = _mm_cvtsi32_si128(8 - b), r2 = _mm_cvtsi32_si128(16 - 2 * b),
-                r3 = _mm_cvtsi32_si128(32 - 4 * b);
   const __m256i step8 = _mm256_set1_epi32(static_cast<int32_t>(8u * 0x9e3779b1u));
   __m256i key = uniform_keys8(seed, 0);
   int64_t i = 0;
@@ -201,16 +201,26 @@ __attribute__((target("avx2"))) int64_t dither_linear_f32_avx2(const float* x, c
     }
     __m256i w = _mm256_packus_epi16(_mm256_packus_epi32(c[0], c[1]), _mm256_packus_epi32(c[2], c[3]));
     w = _mm256_permutevar8x32_epi32(w, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-    w = _mm256_or_si256(_mm256_and_si256(w, m1), _mm256_srl_epi64(_mm256_andnot_si256(m1, w), r1));
-    w = _mm256_or_si256(_mm256_and_si256(w, m2), _mm256_srl_epi64(_mm256_andnot_si256(m2, w), r2));
-    w = _mm256_or_si256(_mm256_and_si256(w, m3), _mm256_srl_epi64(_mm256_andnot_si256(m3, w), r3));
+    w = _mm256_or_si256(_mm256_and_si256(w, m1), _mm256_srli_epi64(_mm256_andnot_si256(m1, w), 8 - B));
+    w = _mm256_or_si256(_mm256_and_si256(w, m2),
+                        _mm256_srli_epi64(_mm256_andnot_si256(m2, w), 16 - 2 * B));
+    w = _mm256_or_si256(_mm256_and_si256(w, m3),
+                        _mm256_srli_epi64(_mm256_andnot_si256(m3, w), 32 - 4 * B));
     alignas(32) uint64_t g[4];
     _mm256_store_si256(reinterpret_cast<__m256i*>(g), w);
-    for (int u = 0; u < 4; ++u) put_group(codes, i / 8 + u, b, cap, g[u]);
+    for (int u = 0; u < 4; ++u) put_group(codes, i / 8 + u, B, cap, g[u]);
   }
   if (stream) _mm_sfence();
   return i;
 }
+
+// dither_linear_f32_avx2 by code width b (2 to 8: s from 1 to 127).
+using LinearCoder = int64_t (*)(const float*, const float*, int64_t, float, int64_t, uint64_t,
+                                int64_t, uint8_t*, float*, float, float);
+constexpr LinearCoder kLinearCoders[9] = {
+    nullptr, nullptr, dither_linear_f32_avx2<2>, dither_linear_f32_avx2<3>,
+    dither_linear_f32_avx2<4>, dither_linear_f32_avx2<5>, dither_linear_f32_avx2<6>,
+    dither_linear_f32_avx2<7>, dither_linear_f32_avx2<8>};
 
 // Elements per chunk of the float32 natural encoder (see natural_encode_f32): its input stays
 // in L1 between the max and the coding pass.
@@ -442,8 +452,7 @@ void dither_code(DType d, const void* x, const void* y, int64_t n, const Params&
       int64_t i = 0;
       if constexpr (std::is_same_v<T, float>) {
         if (!natural && cpu_has_avx2_f16c())
-          i = dither_linear_f32_avx2(xs, ys, n, scale, p.s, p.seed, b, cap, codes, rs,
-                                     norm / sf, al);
+          i = kLinearCoders[b](xs, ys, n, scale, p.s, p.seed, cap, codes, rs, norm / sf, al);
       }
       for (; i < n; i += 8) {
         uint64_t w = 0;
