@@ -57,6 +57,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import results  # noqa: E402
+from hvd_compress import autotune  # noqa: E402
 
 RATES = {"100mbit": 100e6, "1gbit": 1e9, "10gbit": 10e9}
 NS_PREFIX = "hvdc-bench-"
@@ -401,6 +402,8 @@ def horovod_worker(args):
             base = torch_step(base_model, base_opt, base_batch)
         r = time_steps(torch_step(model, opt, batch), opts, args.iface,
                        lambda: hvd.allreduce(torch.zeros(1), name="sync"), base)
+        if how == "ours" and opts.get("autotune"):
+            r["autotune"] = opt.compression_report()["autotune"]
         out.append(shown(hvd.rank(), label, spec, r))
         # Horovod's hooks tie the parameters and the optimizer in a cycle: without a collection
         # each row's model, gradients and state stay (the 109M-parameter encoder was killed for
@@ -558,6 +561,7 @@ def collapse(rows, base):
     median, lowest and highest of the speedups each round measured against its base_ms (the
     baseline's runs around it)."""
     runs: dict[tuple, list] = {}
+    tuned = any("autotune" in r for r in rows)
     for r in rows:  # in the first round's order
         runs.setdefault((r["rate"], r["row"]), []).append(r)
     out = []
@@ -570,25 +574,36 @@ def collapse(rows, base):
                        for k in ("cpu_ms_per_step", "main_cpu_ms_per_step")},
                     "speedup": statistics.median(speedups), "speedup_low": min(speedups),
                     "speedup_high": max(speedups), "rounds": len({r["round"] for r in rs})})
+        if tuned:  # the arm each round's probe kept, and its medians; None: not ours
+            out[-1]["autotune"] = [r["autotune"] for r in rs] if "autotune" in rs[0] else None
+            out[-1]["autotune_kept"] = ([a["compress"] for a in out[-1]["autotune"]]
+                                        if out[-1]["autotune"] else None)
         # the baseline beside it (--paired), which its speedups are against; else None
         out[-1]["paired_base_ms"] = (statistics.median(r["paired_base_ms"] for r in rs)
                                      if "paired_base_ms" in rs[0] else None)
     return out
 
 
+def kept(r):
+    """Which arm autotune kept for the row, in each round ("-": not ours)."""
+    arms = r.get("autotune_kept")
+    return "/".join("compressed" if a else "uncompressed" for a in arms) if arms else "-"
+
+
 def report(rows, rates, settings, out_dir, table=ROWS, name="network"):
     by = {(r["rate"], r["row"]): r for r in rows}
     labels = [label for label, _, _ in table if any(r["row"] == label for r in rows)]
     spread = settings.get("rounds", 1) > 1
+    tuned = bool(settings.get("autotune"))
     cols = ("ms/step", "speedup") + (("speedup range",) if spread else ()) + (
-        "cpu ms/step (main thread)", "bytes/step")
+        "cpu ms/step (main thread)", "bytes/step") + (("autotune kept",) if tuned else ())
     header = ["row"] + [f"{rate} {c}" for rate in rates for c in cols]
 
     def cells(r):
         return [f"{r['ms_per_step']:.1f}", f"{r['speedup']:.2f}x"] + (
             [f"{r['speedup_low']:.2f}-{r['speedup_high']:.2f}x"] if spread else []) + [
             f"{r['cpu_ms_per_step']:.0f} ({r['main_cpu_ms_per_step']:.0f})",
-            f"{r['bytes_per_step']:,}"]
+            f"{r['bytes_per_step']:,}"] + ([kept(r)] if tuned else [])
     lines = [[label] + [x for rate in rates for x in cells(by[(rate, label)])]
              for label in labels]
     print(results.markdown(header, lines))
@@ -637,6 +652,9 @@ def main():
     ap.add_argument("--paired", action="store_true",
                     help="each of our rows against a baseline trained beside it, step by step "
                          "(PyTorch models)")
+    ap.add_argument("--autotune", type=int, default=0,
+                    help="autotune=K in each of our rows' specs (hvd_compress.autotune), its "
+                         "probe inside the warm-up steps (PyTorch models)")
     ap.add_argument("--rendezvous", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--per-node", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--worker", choices=["horovod", "ddp"], help=argparse.SUPPRESS)
@@ -671,10 +689,17 @@ def main():
     if args.paired and args.model in KERAS_MODELS:
         sys.exit(f"--paired trains PyTorch models only, not {args.model}; valid: "
                  f"{', '.join(m for m in MODELS if m not in KERAS_MODELS)}")
+    if args.autotune < 0:
+        sys.exit(f"--autotune must be a number of probe steps per arm >= 0, got {args.autotune}")
+    if args.autotune and args.model in KERAS_MODELS:
+        sys.exit(f"--autotune trains PyTorch models only, not {args.model}; valid: "
+                 f"{', '.join(m for m in MODELS if m not in KERAS_MODELS)}")
     params_m = {"resnet50": 25.557032, "transformer": 108.9, "keras-resnet50": 25.583592}.get(
         args.model, args.params_m or (6.0 if args.quick else 25.0))
     opts = {"model": args.model, "params_m": params_m, "bucket_mb": args.bucket_mb,
-            "steps": args.steps or (2 if args.quick else 3), "warmup": 3, "paired": args.paired,
+            "steps": args.steps or (2 if args.quick else 3), "paired": args.paired,
+            "warmup": 3 + (autotune.WARMUP + 2 * args.autotune if args.autotune else 0),
+            "autotune": args.autotune,
             "batch": args.batch or {"mlp": 32, "resnet50": 4, "transformer": 2,
                                     "keras-resnet50": 4}[args.model]}
     refuse_unless_able()
@@ -686,6 +711,9 @@ def main():
         table = [r for r in table if r[1] == "horovod" or any(w in r[0] for w in words)]
     if args.model in KERAS_MODELS:
         table = [r for r in table if r[1] != "ddp"]  # DDP hooks are torch's
+    if args.autotune:
+        table = [(label, how, f"{spec},autotune={args.autotune}" if how == "ours" else spec)
+                 for label, how, spec in table]
     rows = []
     with LinkPair() as link, tempfile.TemporaryDirectory() as tmp:
         for rate in rates:
@@ -731,6 +759,8 @@ def main():
         name += f"_cycle{cycle_ms:g}ms"
     if args.paired:
         name += "_paired"
+    if args.autotune:
+        name += f"_autotune{args.autotune}"
     report(rows, rates, settings, args.out, table, name)
 
 

@@ -26,7 +26,7 @@ GRANULARITY_CHOICES = ("bucket", "tensor")
 DEFAULT_MU = 0.9
 # Keys that decorate any codec rather than parametrise one.
 DECORATOR_KEYS = ("ef", "momentum", "mu", "seed", "collective", "hierarchical", "bucket_mb",
-                  "granularity")
+                  "granularity", "autotune")
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,9 @@ class CompressionConfig:
     # leaves it out, so a checkpoint loads under another bucket size.
     bucket_mb: float | None = None
     granularity: str = "bucket"
+    # Probe steps per arm of hvd_compress.autotune (0: always compress). Whether a step
+    # compresses, not what the state means: canonical() leaves it out too.
+    autotune: int = 0
 
     @property
     def info(self) -> CodecInfo:
@@ -105,6 +108,8 @@ class CompressionConfig:
             items.append(f"granularity={self.granularity}")
         if self.bucket_mb is not None:
             items.append(f"bucket_mb={_fmt(self.bucket_mb)}")
+        if self.autotune:
+            items.append(f"autotune={self.autotune}")
         return ",".join(items)
 
 
@@ -309,6 +314,14 @@ def parse_spec(spec: Any) -> CompressionConfig:
             raise ValueError(f"bucket_mb must be a number of MiB >= 0 (0: no buckets), got "
                              f"{_fmt(bucket_mb)}")
 
+    autotune = _coerce("autotune", int, items.pop("autotune", 0))
+    if autotune < 0:
+        raise ValueError(f"autotune must be a number of probe steps per arm >= 0 (0: always "
+                         f"compress), got {autotune}")
+    if autotune and info.name == "none":
+        raise ValueError("autotune compares compressed steps with uncompressed ones; codec none "
+                         "compresses nothing: drop autotune or name a codec")
+
     granularity = _coerce("granularity", str, items.pop("granularity", "bucket"))
     if granularity not in GRANULARITY_CHOICES:
         raise ValueError(f"granularity={granularity!r} is not valid; valid: "
@@ -345,7 +358,8 @@ def parse_spec(spec: Any) -> CompressionConfig:
         raise ValueError(f"codec {info.name!r} has no parameter {bad!r}; valid: {', '.join(valid)}")
     return CompressionConfig(codec=info.name, params=tuple(params), ef=ef, momentum=momentum,
                              mu=mu, seed=seed, collective=collective, hierarchical=hierarchical,
-                             node_fp16=node_fp16, bucket_mb=bucket_mb, granularity=granularity)
+                             node_fp16=node_fp16, bucket_mb=bucket_mb, granularity=granularity,
+                             autotune=autotune)
 
 
 def _check_collective(info: CodecInfo, collective: str, fields: dict) -> None:

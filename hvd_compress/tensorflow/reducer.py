@@ -112,6 +112,12 @@ def pop_horovod_arguments(kwargs: dict) -> None:
         if key in kwargs})
 
 
+def check_no_autotune(config: CompressionConfig) -> None:
+    if config.autotune:
+        raise ValueError(f"autotune={config.autotune} is not supported by the TensorFlow "
+                         f"frontend yet (hvd_compress.torch has it); drop it from the spec")
+
+
 class Reducer:
     def __init__(self, config: CompressionConfig, min_compress_bytes: int, op, process_set,
                  sparse_as_dense: bool = False, bucket_bytes: int = 0):
@@ -121,6 +127,7 @@ class Reducer:
         if not isinstance(min_compress_bytes, int) or min_compress_bytes < 0:
             raise ValueError(f"min_compress_bytes must be an integer >= 0, got "
                              f"{min_compress_bytes!r}")
+        check_no_autotune(config)
         self.config = config
         self.min_bytes = min_compress_bytes
         self.op = op
@@ -345,6 +352,7 @@ class Reducer:
     def set_config(self, config: CompressionConfig) -> None:
         """Switch codec or parameters (a warm-up schedule). Residuals, momentum and step counters
         carry over by name; callers retrace any tf.function that reduces gradients."""
+        check_no_autotune(config)
         self.codec.settle()
         self.config = config
         self.codec = TFCodec(config, self.store, rank=self._rank(), world=self._world())

@@ -38,6 +38,7 @@ import torch
 from horovod.torch.optimizer import _DistributedOptimizer
 
 from .. import buckets, collectives, stats
+from ..autotune import Autotune
 from ..spec import CompressionConfig, momentum_advice, sparse_momentum_error, spec_momentum
 from ..state import StateStore
 from ..stats import CompressionStats
@@ -85,6 +86,7 @@ class _CompressedReduction:
         # A rank outside the process set steps on its own gradients, as with Horovod's
         # optimizer (which registers no hooks there): nothing of the set is asked of it.
         member = process_set.included()
+        self._hvdc_tune = Autotune(config.autotune if member else 0)
         self._hvdc_codec = TorchCodec(config, self._hvdc_store,
                                       rank=process_set.rank() if member else 0,
                                       world=process_set.size() if member else 1)
@@ -169,6 +171,7 @@ class _CompressedReduction:
             if scaler is not None and scaler.is_enabled():  # the scale these gradients carry
                 self._hvdc_store.rescale(float(scaler.get_scale()),
                                          self._hvdc_config.info.scale_free_slots)
+        self._hvdc_tune.begin()
         if self._hvdc_stateful:
             self._hvdc_count()  # first, on every rank: see synchronize()
             if not self._hvdc_counted(block=False):
@@ -194,9 +197,11 @@ class _CompressedReduction:
             p.grad = p.grad.contiguous()
         grad = p.grad
         name = self._parameter_names.get(p)
-        if p in self._hvdc_pieces and not self._hvdc_joined():
+        compress = self._hvdc_tune.compresses()
+        if compress and p in self._hvdc_pieces and not self._hvdc_joined():
             return self._hvdc_bucketed(p, name, grad)
-        if (grad.is_sparse or self._hvdc_config.codec == "none" or grad.dtype not in DTYPE_NAMES
+        if (not compress or grad.is_sparse or self._hvdc_config.codec == "none"
+                or grad.dtype not in DTYPE_NAMES
                 or grad.numel() * grad.element_size() < self._hvdc_min_bytes
                 or grad.dim() < self._hvdc_codec.info.min_dim or self._hvdc_joined()):
             return self._hvdc_plain(p, name, grad)
@@ -382,7 +387,10 @@ class _CompressedReduction:
             self._requires_update = everything
             if has_gradient is not None:
                 wait(has_gradient)
+        counted = self._hvdc_active == self.process_set.size()
         self._hvdc_active = None  # counted again next step
+        if self._hvdc_tune.end(counted):
+            self._hvdc_decide()
         if self._hvdc_powersgd is not None:
             self._hvdc_powersgd.end_step()
         store = self._hvdc_store
@@ -395,6 +403,16 @@ class _CompressedReduction:
         self._hvdc_stats.end_step()
         if self._hvdc_writer is not None:
             self._hvdc_write_step()
+
+    def _hvdc_decide(self) -> None:
+        """The end of autotune's probe (hvd_compress.autotune, step 4)."""
+        ps, times = self.process_set, self._hvdc_tune.times
+        summed = (times if ps.size() == 1 else hvd.allreduce(
+            torch.tensor(times, dtype=torch.float64), op=hvd.Sum, process_set=ps,
+            name="hvd_compress.autotune").tolist())
+        if not self._hvdc_tune.decide(summed):
+            # The buckets' entries would stay beside their members' uncompressed ones.
+            self._hvdc_stats.tensors.clear()
 
     def _hvdc_without_gradient(self) -> tuple[set, Any]:
         """The parameters that no rank of the set has a gradient for in this step (not
@@ -432,6 +450,7 @@ class _CompressedReduction:
             raise RuntimeError("hierarchical compression cannot follow an elastic resize: its "
                                "node process sets belong to the old world")
         self._hvdc_codec = TorchCodec(self._hvdc_config, self._hvdc_store, rank=rank, world=world)
+        self._hvdc_tune = Autotune(self._hvdc_config.autotune)  # another job: measured again
         if self._hvdc_powersgd is not None:
             self._hvdc_powersgd.world = world
         return True
@@ -476,8 +495,12 @@ class _CompressedReduction:
     def compression_report(self) -> dict:
         """Bytes per step, ratio and codec-kernel time since this optimizer was built, with the
         per-tensor statistics (what `python -m hvd_compress` prints and writes)."""
-        return stats.report(self._hvdc_stats, str(self._hvdc_config), self._hvdc_stats.steps,
-                            _C.codec_time_ns() - self._hvdc_codec_ns)
+        rep = stats.report(self._hvdc_stats, str(self._hvdc_config), self._hvdc_stats.steps,
+                           _C.codec_time_ns() - self._hvdc_codec_ns)
+        tuned = self._hvdc_tune.report()
+        if tuned is not None:
+            rep["autotune"] = tuned
+        return rep
 
     def write_compression_summaries(self, logdir: str) -> None:
         """From the next step on, write each step's statistics (hvd_compress.stats.SCALARS) as
@@ -632,7 +655,7 @@ def node_process_sets(process_set):
 def _check_ranks_agree(config: CompressionConfig, min_bytes: int, max_bucket_bytes: int,
                        process_set) -> None:
     mine = (f"{config.canonical()};min_compress_bytes={min_bytes};"
-            f"bucket_bytes={max_bucket_bytes}").encode()
+            f"bucket_bytes={max_bucket_bytes};autotune={config.autotune}").encode()
     sizes = hvd.allgather(torch.tensor([len(mine)]), name="hvd_compress.spec_check.sizes",
                           process_set=process_set)
     blob = hvd.allgather(torch.frombuffer(bytearray(mine), dtype=torch.uint8),
@@ -641,7 +664,7 @@ def _check_ranks_agree(config: CompressionConfig, min_bytes: int, max_bucket_byt
     if len(set(theirs)) > 1:
         detail = "; ".join(f"rank {r}: {s}" for r, s in enumerate(theirs))
         raise ValueError(f"ranks disagree on the compression spec ({detail}); every rank must "
-                         f"pass the same compression, min_compress_bytes and bucket_mb")
+                         f"pass the same compression, min_compress_bytes, bucket_mb and autotune")
 
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression="none",

@@ -208,6 +208,32 @@ def test_network_paired_refuses_keras():
     assert "resnet50" in proc.stderr and "transformer" in proc.stderr
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--autotune", "-2"], "--autotune must be a number of probe steps per arm >= 0, got -2"),
+    (["--model", "keras-resnet50", "--autotune", "2"], "--autotune trains PyTorch models only")])
+def test_network_refuses_autotune_it_cannot_run(args, message):
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "network.py")] + args,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and message in proc.stderr
+
+
+@pytest.mark.skipif(NETWORK_UNAVAILABLE is not None, reason=f"{NETWORK_UNAVAILABLE}")
+def test_network_autotune_probes_inside_the_warm_up(tmp_path):
+    """--autotune K: our rows' specs carry autotune=K, the warm-up grows by the probe's steps
+    so that only steps after the decision are timed, and each row says which arm it kept."""
+    from hvd_compress.autotune import WARMUP
+    proc = run("network.py", "--quick", "--params-m", "0.3", "--steps", "1", "--rates", "1gbit",
+               "--select", "onebit", "--autotune", "1", "--out", str(tmp_path))
+    data, rows = outputs(tmp_path, "network_autotune1")
+    assert data["settings"]["warmup"] == 3 + WARMUP + 2 and data["settings"]["autotune"] == 1
+    ours = [r for r in data["rows"] if r["row"] == "onebit"]
+    assert len(ours) == 1 and ours[0]["spec"] == "onebit,ef=vanilla,autotune=1"
+    assert [a["probes"] for a in ours[0]["autotune"]] == [1]
+    assert ours[0]["autotune_kept"] == [a["compress"] for a in ours[0]["autotune"]]
+    assert all(r["autotune"] is None for r in data["rows"] if r["row"] != "onebit")
+    assert "autotune kept" in proc.stdout
+
+
 @pytest.mark.parametrize("flag,env", [("0", None), ("-1", None), ("nan", None),
                                       (None, "0"), (None, "fast")])
 def test_network_refuses_a_cycle_time_that_is_not_positive(flag, env):

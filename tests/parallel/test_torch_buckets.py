@@ -338,3 +338,47 @@ def test_a_gradient_in_buckets_of_its_own_is_reduced_in_its_own_memory(spec):
         oracle.check({n: t2n(p.grad) for n, p in params.items()}, oracle(grads), f"step {step}")
         with opt.skip_synchronize():
             opt.step()
+
+
+@pytest.mark.parametrize("spec", ["onebit,ef=vanilla", "topk,k=0.05,ef=vanilla,momentum=nesterov"])
+@pytest.mark.parametrize("slow", ["compressed", "uncompressed"])
+def test_autotune_probes_both_arms_and_every_rank_keeps_the_faster(spec, slow):
+    """hvd_compress.autotune: 2 warm-up steps compress, then 2K probe steps alternate (C, U),
+    (U, C); an uncompressed step is the spec's momentum and Horovod's average, its residuals
+    left for the next compressed step. One arm is made slower by a sleep far above these steps'
+    noise; every rank must then keep the other arm, with the same bits as the oracle."""
+    from hvd_compress.autotune import WARMUP, compressed_arm
+    probes = 2
+    params, opt = bucketed(f"{spec},autotune={probes}")
+    launch, plain = opt._hvdc_launch, opt._hvdc_plain
+
+    def slow_launch(bucket):
+        if slow == "compressed":
+            time.sleep(0.1)
+        return launch(bucket)
+
+    def slow_plain(p, name, grad):
+        if slow == "uncompressed" and not opt._hvdc_tune.compresses():
+            time.sleep(0.1)
+        return plain(p, name, grad)
+    opt._hvdc_launch, opt._hvdc_plain = slow_launch, slow_plain
+    oracle = make_oracle(spec)
+    decided = slow == "uncompressed"
+    for step in range(WARMUP + 2 * probes + 2):
+        arm = compressed_arm(step - WARMUP) if step < WARMUP + 2 * probes else decided
+        grads = step_grads(step)
+        oracle.check(reduce(params, opt, grads), oracle(grads, compressing=arm),
+                     f"step {step}, {'compressed' if arm else 'uncompressed'}")
+    tuned = opt.compression_report()["autotune"]
+    assert tuned["compress"] is decided
+    assert (tuned["compressed_ms"] > tuned["uncompressed_ms"]) is not decided
+    every = hvd.allgather(torch.tensor([tuned["compressed_ms"], tuned["uncompressed_ms"]],
+                                       dtype=torch.float64).view(1, 2), name="autotune_check")
+    assert (every == every[0]).all()
+
+
+def test_autotune_is_refused_for_codec_none_and_ranks_must_agree_on_it():
+    with pytest.raises(ValueError, match="codec none compresses nothing"):
+        bucketed("none,autotune=2")
+    with pytest.raises(ValueError, match="ranks disagree on the compression spec"):
+        bucketed(f"onebit,autotune={RANK + 1}")

@@ -73,6 +73,10 @@ def test_defaults_filled_and_canonical_round_trip():
                                         "feedback would"),
     ("onebit,bucket_mb=-2", "bucket_mb must be a number of MiB >= 0 (0: no buckets), got -2.0"),
     ("onebit,bucket_mb=big", "bucket_mb must be a number, got 'big'"),
+    ("onebit,autotune=-1", "autotune must be a number of probe steps per arm >= 0 (0: always "
+                           "compress), got -1"),
+    ("onebit,autotune=2.5", "autotune must be an integer, got '2.5'"),
+    ("none,autotune=3", "codec none compresses nothing: drop autotune or name a codec"),
     ("fp16,granularity=tensor", "granularity=tensor encodes each member of a bucket as if it "
                                 "travelled alone, in one allgather; fp16 travels by allreduce: "
                                 "valid for onebit, signsgd, efsignsgd, topk, minmax8, dithering, "
