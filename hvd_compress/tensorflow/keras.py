@@ -114,7 +114,11 @@ class CompressionScheduleCallback(tf.keras.callbacks.Callback):
             self._step += 1
 
     def _set(self, on: bool) -> None:
-        _reducer_of(self.model).enabled.assign(on)
+        reducer = _reducer_of(self.model)
+        if reducer.autotune is not None:
+            raise ValueError("CompressionScheduleCallback and the spec's autotune both decide "
+                             "when to compress: drop one of them")
+        reducer.enabled.assign(on)
 
 
 class CompressionStatsCallback(tf.keras.callbacks.Callback):

@@ -19,6 +19,7 @@ from ..spec import (CompressionConfig, momentum_advice, parse_spec, sparse_momen
                     spec_momentum)
 from ..state import StateStore
 from ..stats import CompressionStats
+from .autotune import GraphAutotune
 from .codec import (DTYPE_NAMES, TFAdapter, TFCodec, concat_pieces, fields_step, flat_range,
                     split_pieces, state_variable, warmup_attrs)
 from .ops import lib
@@ -112,12 +113,6 @@ def pop_horovod_arguments(kwargs: dict) -> None:
         if key in kwargs})
 
 
-def check_no_autotune(config: CompressionConfig) -> None:
-    if config.autotune:
-        raise ValueError(f"autotune={config.autotune} is not supported by the TensorFlow "
-                         f"frontend yet (hvd_compress.torch has it); drop it from the spec")
-
-
 class Reducer:
     def __init__(self, config: CompressionConfig, min_compress_bytes: int, op, process_set,
                  sparse_as_dense: bool = False, bucket_bytes: int = 0):
@@ -127,7 +122,6 @@ class Reducer:
         if not isinstance(min_compress_bytes, int) or min_compress_bytes < 0:
             raise ValueError(f"min_compress_bytes must be an integer >= 0, got "
                              f"{min_compress_bytes!r}")
-        check_no_autotune(config)
         self.config = config
         self.min_bytes = min_compress_bytes
         self.op = op
@@ -155,6 +149,7 @@ class Reducer:
         # name -> [sent bytes, wire bytes] of a variable-size payload, written by traced steps
         self._measured: dict[str, tf.Variable] = {}
         self._all_stepping = None  # this step's count of stepping ranks, once made
+        self.autotune = self._autotune()
         self.nodes, self.groups = None, {None: process_set}
         self.gloo = hvd.gloo_enabled()
         if config.hierarchical:
@@ -180,7 +175,13 @@ class Reducer:
             raise RuntimeError("hierarchical compression cannot follow an elastic resize: its "
                                "node process sets belong to the old world")
         self.codec = TFCodec(self.config, self.store, rank=rank, world=world)
+        self.autotune = self._autotune()  # another job: measured again
         return True
+
+    def _autotune(self) -> GraphAutotune | None:
+        if not self.config.autotune or not self.process_set.included():
+            return None
+        return GraphAutotune(self.config.autotune, self.enabled, self.process_set)
 
     def _powersgd(self, config: CompressionConfig) -> PowerSGDReduction | None:
         """Two-round codecs run their own pipeline over all of a step's gradients."""
@@ -210,6 +211,8 @@ class Reducer:
         check_unique(names)
         self._all_stepping = None
         self.store.begin()
+        if self.autotune is not None:
+            self.autotune.begin()
         try:
             units = self._rescale()
             if self.powersgd is not None:
@@ -222,6 +225,8 @@ class Reducer:
             self.store.rollback()
             raise
         self._end_step(reduced, units)
+        if self.autotune is not None:
+            self.autotune.end(reduced, self._no_rank_joined())
         self.steps.assign_add(1)
         if self._writer is not None:
             self._write_step(reduced, [n for g, n in zip(grads, names) if g is not None])
@@ -316,9 +321,12 @@ class Reducer:
         per-tensor statistics (what `python -m hvd_compress` prints and writes). In a TF1
         graph the variables are read in the default session, else in Keras'."""
         self.refresh_stats()
-        return stats.report(self.stats, str(self.config), int(current(self.steps)),
-                            int(evaluate(lib.hvdc_codec_time)) - self._codec_ns,
-                            compressing=bool(current(self.enabled)))
+        rep = stats.report(self.stats, str(self.config), int(current(self.steps)),
+                           int(evaluate(lib.hvdc_codec_time)) - self._codec_ns,
+                           compressing=bool(current(self.enabled)))
+        if self.autotune is not None:
+            rep["autotune"] = self.autotune.report(current)
+        return rep
 
     def write_compression_summaries(self, logdir: str) -> None:
         """Write each step's statistics (hvd_compress.stats.SCALARS) as TensorBoard scalars to
@@ -352,7 +360,9 @@ class Reducer:
     def set_config(self, config: CompressionConfig) -> None:
         """Switch codec or parameters (a warm-up schedule). Residuals, momentum and step counters
         carry over by name; callers retrace any tf.function that reduces gradients."""
-        check_no_autotune(config)
+        if config.autotune or self.config.autotune:
+            raise ValueError("set_config switches codecs on a schedule, and autotune decides "
+                             "when to compress: use one of them")
         self.codec.settle()
         self.config = config
         self.codec = TFCodec(config, self.store, rank=self._rank(), world=self._world())

@@ -219,3 +219,46 @@ def test_a_traced_bucket_waits_only_for_its_own_gradients(spec):
     assert grad_c in before_c and grad_b in before_b and grad_a in graph_ancestors(reduced_a)
     assert grad_b not in before_c and grad_a not in before_c, "c's bucket waits for later gradients"
     assert grad_a not in before_b, "b's bucket waits for a's gradient"
+
+
+@pytest.mark.parametrize("graph", [False, True] if WORLD == 2 else [True],
+                         ids=["eager", "tf.function"] if WORLD == 2 else ["tf.function"])
+@pytest.mark.parametrize("slow", ["compressed", "uncompressed"])
+def test_autotune_probes_both_arms_and_every_rank_keeps_the_faster(slow, graph):
+    """The twin of the torch test, with the probe in the step's own ops: 2 warm-up steps
+    compress, then (C, U), (U, C); an uncompressed step is one with `enabled` off. The clock is
+    the test's: each reading advances by the arm's cost, so one arm is slower on every rank."""
+    from hvd_compress.autotune import WARMUP, compressed_arm
+    spec, probes = "topk,k=0.05,ef=vanilla,momentum=nesterov", 2
+    model = Model(f"{spec},autotune={probes}", graph=graph)
+    tune = model.reducer.autotune
+    ticks = tf.Variable(0.0, dtype=tf.float64)
+    slow_arm = slow == "compressed"
+    tune.clock = lambda: ticks.assign_add(tf.where(tf.equal(tune.enabled, slow_arm),
+                                                   tf.constant(1.0, tf.float64), 0.1))
+    oracle = bucket_oracle.BucketOracle(spec, WORLD)
+    decided = slow == "uncompressed"
+    for step in range(WARMUP + 2 * probes + 2):
+        arm = compressed_arm(step - WARMUP) if step < WARMUP + 2 * probes else decided
+        grads = bucket_oracle.step_grads(step, WORLD)
+        oracle.check(model.reduce(grads), oracle(grads, compressing=arm),
+                     f"step {step}, {'compressed' if arm else 'uncompressed'}")
+        # the probe's last step ends with the decision in `enabled`
+        assert bool(model.reducer.enabled.numpy()) is (
+            decided if step >= WARMUP + 2 * probes - 1 else arm), f"step {step}"
+    tuned = model.reducer.compression_report()["autotune"]
+    cost = {True: 1.0 if slow_arm else 0.1, False: 0.1 if slow_arm else 1.0}
+    assert tuned == {"probes": probes, "compress": decided,
+                     "compressed_ms": pytest.approx(1e3 * WORLD * cost[True]),
+                     "uncompressed_ms": pytest.approx(1e3 * WORLD * cost[False])}
+
+
+def test_autotune_leaves_no_room_for_a_compression_schedule():
+    from types import SimpleNamespace
+    model = Model("onebit,ef=vanilla,autotune=2")
+    with pytest.raises(ValueError, match="autotune decides when to compress: use one of them"):
+        model.reducer.set_config(hc.parse_spec("onebit,ef=vanilla"))
+    callback = hvdc_keras.CompressionScheduleCallback(start_step=1)
+    callback.set_model(SimpleNamespace(optimizer=SimpleNamespace(_hvdc_reducer=model.reducer)))
+    with pytest.raises(ValueError, match="CompressionScheduleCallback and the spec's autotune"):
+        callback.on_train_begin()

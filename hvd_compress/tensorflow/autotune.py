@@ -1,0 +1,78 @@
+"""hvd_compress.autotune in the step's own ops. A traced step never returns to Python, so the
+schedule, the probe's times and the decision live in variables, and the reducer's `enabled`
+switch (the one CompressionScheduleCallback turns) carries each step's arm: an uncompressed
+step is then the same as one the callback keeps uncompressed."""
+from __future__ import annotations
+
+import horovod.tensorflow as hvd
+import tensorflow as tf
+
+from ..autotune import WARMUP, Autotune, compressed_arm
+from .codec import state_variable
+
+
+class GraphAutotune:
+    def __init__(self, probes: int, enabled: tf.Variable, process_set, clock=tf.timestamp):
+        self.probes, self.enabled, self.process_set = probes, enabled, process_set
+        self.clock = clock  # seconds as a float64 tensor; the tests pass a clock of their own
+        self.arms = tf.constant([compressed_arm(i) for i in range(2 * probes)])
+        self.step = state_variable(0, tf.int64, name="hvdc_autotune_step")
+        self.times = state_variable(tf.zeros([2 * probes], tf.float64),
+                                    name="hvdc_autotune_times")
+        self.summed = state_variable(tf.zeros([2 * probes], tf.float64),
+                                     name="hvdc_autotune_summed")
+        self.decided = state_variable(False, name="hvdc_autotune_decided")
+        self.began = state_variable(0.0, tf.float64, name="hvdc_autotune_began")
+
+    def begin(self) -> None:
+        """Before the step's first reduction: its arm into `enabled`, and the time."""
+        i = self.step - WARMUP
+        arm = tf.logical_or(i < 0, tf.gather(self.arms, tf.clip_by_value(
+            i, 0, 2 * self.probes - 1)))
+        tf.cond(self.decided, lambda: self.enabled.read_value(),
+                lambda: self.enabled.assign(arm).read_value())
+        self.began.assign(self.clock())
+
+    def end(self, reduced: list, counted) -> None:
+        """After the reductions; counted: every rank stepped (hvd_compress.autotune)."""
+        outputs = [g.values if isinstance(g, tf.IndexedSlices) else g
+                   for g in reduced if g is not None]
+        with tf.control_dependencies(outputs):
+            now = self.clock()
+
+        def count():
+            i = self.step - WARMUP
+            tf.cond(i >= 0, lambda: self.times.scatter_nd_update(
+                tf.reshape(i, [1, 1]), tf.reshape(now - self.began, [1])).read_value(),
+                lambda: self.times.read_value())
+            due = tf.equal(self.step.assign_add(1), WARMUP + 2 * self.probes)
+            return tf.cond(due, self._decide, lambda: tf.constant(False))
+        tf.cond(tf.logical_and(counted, tf.logical_not(self.decided)), count,
+                lambda: tf.constant(False))
+
+    def _decide(self):
+        ps = self.process_set
+        summed = self.times.read_value()
+        if ps.size() > 1:
+            summed = hvd.allreduce(summed, op=hvd.Sum, process_set=ps,
+                                   name="hvd_compress.autotune")
+        self.summed.assign(summed)
+        faster = _median(tf.boolean_mask(summed, tf.logical_not(self.arms)), self.probes) < \
+            _median(tf.boolean_mask(summed, self.arms), self.probes)
+        self.enabled.assign(tf.logical_not(faster))
+        self.decided.assign(True)
+        return tf.constant(True)
+
+    def report(self, read) -> dict:
+        """As hvd_compress.autotune.Autotune.report(), from the variables (read: a variable's
+        value, in a TF1 graph through its session)."""
+        tune = Autotune(self.probes)
+        if bool(read(self.decided)):
+            tune.decide(read(self.summed).tolist())
+        return tune.report()
+
+
+def _median(x, n: int):
+    """statistics.median of n values: the middle one, or the mean of the two middle ones."""
+    s = tf.sort(x)
+    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
