@@ -483,6 +483,8 @@ def keras_worker(args):
         hvd.broadcast_variables(model.variables, root_rank=0)
         # The first warm-up step traces the function.
         r = time_steps(step, opts, args.iface, lambda: hvd.allreduce(tf.zeros(1), name="sync"))
+        if how == "ours" and opts.get("autotune"):
+            r["autotune"] = opt._hvdc_reducer.compression_report()["autotune"]
         out.append(shown(hvd.rank(), label, spec, r))
         del model, loss, sgd, opt, step
         tf.keras.backend.clear_session()
@@ -654,7 +656,7 @@ def main():
                          "(PyTorch models)")
     ap.add_argument("--autotune", type=int, default=0,
                     help="autotune=K in each of our rows' specs (hvd_compress.autotune), its "
-                         "probe inside the warm-up steps (PyTorch models)")
+                         "probe inside the warm-up steps")
     ap.add_argument("--rendezvous", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--per-node", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--worker", choices=["horovod", "ddp"], help=argparse.SUPPRESS)
@@ -691,9 +693,6 @@ def main():
                  f"{', '.join(m for m in MODELS if m not in KERAS_MODELS)}")
     if args.autotune < 0:
         sys.exit(f"--autotune must be a number of probe steps per arm >= 0, got {args.autotune}")
-    if args.autotune and args.model in KERAS_MODELS:
-        sys.exit(f"--autotune trains PyTorch models only, not {args.model}; valid: "
-                 f"{', '.join(m for m in MODELS if m not in KERAS_MODELS)}")
     params_m = {"resnet50": 25.557032, "transformer": 108.9, "keras-resnet50": 25.583592}.get(
         args.model, args.params_m or (6.0 if args.quick else 25.0))
     opts = {"model": args.model, "params_m": params_m, "bucket_mb": args.bucket_mb,

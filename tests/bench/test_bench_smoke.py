@@ -208,13 +208,11 @@ def test_network_paired_refuses_keras():
     assert "resnet50" in proc.stderr and "transformer" in proc.stderr
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--autotune", "-2"], "--autotune must be a number of probe steps per arm >= 0, got -2"),
-    (["--model", "keras-resnet50", "--autotune", "2"], "--autotune trains PyTorch models only")])
-def test_network_refuses_autotune_it_cannot_run(args, message):
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "network.py")] + args,
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode != 0 and message in proc.stderr
+def test_network_refuses_a_negative_autotune():
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "network.py"),
+                           "--autotune", "-2"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0
+    assert "--autotune must be a number of probe steps per arm >= 0, got -2" in proc.stderr
 
 
 @pytest.mark.skipif(NETWORK_UNAVAILABLE is not None, reason=f"{NETWORK_UNAVAILABLE}")
