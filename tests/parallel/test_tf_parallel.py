@@ -60,7 +60,20 @@ def test_tape_aggregate_equals_simulation(codec, dtype, graph):
             got = fn(g)
         else:
             got = tape_step(var, g, codec, graph=False)
-        assert same_bits(np.asarray(got.numpy()), sim(grads)), f"step {step}"
+        got, want = np.asarray(got.numpy()), sim(grads)
+        assert same_bits(got, want), f"step {step}: {differences(got, want, grads)}"
+
+
+def differences(got, want, grads):
+    """Where a result differs from the simulation, and whether it is some rank's own gradient:
+    this test has failed rarely, on rank 1 only, on a loaded machine, with no cause found."""
+    if got.dtype != want.dtype or got.shape != want.shape:
+        return f"{got.dtype}{got.shape} against {want.dtype}{want.shape}"
+    bad = np.flatnonzero((got != want) | (np.signbit(got) != np.signbit(want)))
+    own = [r for r, g in enumerate(grads) if same_bits(got, np.asarray(g, got.dtype))]
+    return (f"{bad.size} of {got.size} differ, first at {bad[:5].tolist()}: got "
+            f"{got[bad[:5]].tolist()}, want {want[bad[:5]].tolist()}; equal to rank(s) {own}'s "
+            f"own gradient")
 
 
 @pytest.mark.parametrize("spec", ["topk,k=0.02,ef=vanilla", "onebit,ef=vanilla,momentum=nesterov",
