@@ -215,6 +215,7 @@ def test_network_refuses_a_negative_autotune():
     assert "--autotune must be a number of probe steps per arm >= 0, got -2" in proc.stderr
 
 
+# The same skip as the network bench's other runs: namespaces need root (CI has it and runs this).
 @pytest.mark.skipif(NETWORK_UNAVAILABLE is not None, reason=f"{NETWORK_UNAVAILABLE}")
 def test_network_autotune_probes_inside_the_warm_up(tmp_path):
     """--autotune K: our rows' specs carry autotune=K, the warm-up grows by the probe's steps
