@@ -82,7 +82,8 @@ class _CompressedReduction:
         self._hvdc_deferred: list = []  # parameters whose gradient waits for the count
         # Whether a step touches state, so that a rank in hvd.join() must be looked for: the
         # codec's, or the spec's momentum even where nothing is compressed (codec none).
-        self._hvdc_stateful = config.codec != "none" or spec_momentum(config) is not None
+        self._hvdc_momentum = spec_momentum(config) is not None
+        self._hvdc_stateful = config.codec != "none" or self._hvdc_momentum
         # A rank outside the process set steps on its own gradients, as with Horovod's
         # optimizer (which registers no hooks there): nothing of the set is asked of it.
         member = process_set.included()
@@ -172,7 +173,7 @@ class _CompressedReduction:
                 self._hvdc_store.rescale(float(scaler.get_scale()),
                                          self._hvdc_config.info.scale_free_slots)
         self._hvdc_tune.begin()
-        if self._hvdc_stateful:
+        if self._hvdc_touching():
             self._hvdc_count()  # first, on every rank: see synchronize()
             if not self._hvdc_counted(block=False):
                 # Where this gradient goes depends on the count; backward goes on meanwhile,
@@ -281,7 +282,7 @@ class _CompressedReduction:
         """Horovod's own allreduce of the uncompressed gradient, recorded in the statistics.
         The spec's momentum goes with it (the optimizer's own is 0), except in a step that a
         rank sits out in hvd.join(), which touches no state."""
-        if self._hvdc_stateful and not self._hvdc_joined():
+        if self._hvdc_touching() and not self._hvdc_joined():
             if grad.is_sparse and spec_momentum(self._hvdc_config) is not None:
                 raise ValueError(sparse_momentum_error(self._hvdc_config, name))
             if not grad.is_sparse:
@@ -292,6 +293,13 @@ class _CompressedReduction:
             self._hvdc_stats.record(name, "none", nbytes, nbytes, collectives.ALLREDUCE,
                                     _ring_allreduce_bytes(nbytes, self.process_set.size()))
         return handle, ctx
+
+    def _hvdc_touching(self) -> bool:
+        """Whether this step may read or write compression state, so that a rank in hvd.join()
+        must be looked for (_hvdc_joined). Once autotune has settled on uncompressed steps and the
+        spec keeps no momentum, no step can: each gradient then goes straight to Horovod's
+        allreduce, with no count of stepping ranks before it, as in Horovod's own optimizer."""
+        return self._hvdc_stateful and (self._hvdc_momentum or self._hvdc_tune.compress is not False)
 
     def _hvdc_joined(self) -> bool:
         """Whether a rank of the set has called hvd.join() and waits there this step.
@@ -353,7 +361,7 @@ class _CompressedReduction:
     def synchronize(self):
         # Every rank's first collective of a step is the count of stepping ranks: made at its
         # first gradient, or here by a rank that had none (the others are waiting on it).
-        if self._hvdc_stateful:
+        if self._hvdc_touching():
             self._hvdc_joined()
             self._hvdc_route_deferred()
         nowhere, has_gradient = self._hvdc_without_gradient()

@@ -362,13 +362,25 @@ def test_autotune_probes_both_arms_and_every_rank_keeps_the_faster(spec, slow):
             time.sleep(0.1)
         return plain(p, name, grad)
     opt._hvdc_launch, opt._hvdc_plain = slow_launch, slow_plain
+    counts = []  # per step, whether the count of stepping ranks was issued
+    count = opt._hvdc_count
+
+    def counting():
+        if opt._hvdc_active is None and opt._hvdc_counting is None:
+            counts[-1] = True
+        return count()
+    opt._hvdc_count = counting
     oracle = make_oracle(spec)
     decided = slow == "uncompressed"
     for step in range(WARMUP + 2 * probes + 2):
         arm = compressed_arm(step - WARMUP) if step < WARMUP + 2 * probes else decided
         grads = step_grads(step)
+        counts.append(False)
         oracle.check(reduce(params, opt, grads), oracle(grads, compressing=arm),
                      f"step {step}, {'compressed' if arm else 'uncompressed'}")
+    # Settled on uncompressed steps, a spec without momentum touches no state: its steps are
+    # Horovod's allreduce alone, without the count that looks for a joined rank.
+    assert counts == [True] * (WARMUP + 2 * probes) + [decided or "momentum" in spec] * 2
     tuned = opt.compression_report()["autotune"]
     assert tuned["compress"] is decided
     assert (tuned["compressed_ms"] > tuned["uncompressed_ms"]) is not decided
