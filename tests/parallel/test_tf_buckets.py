@@ -9,6 +9,7 @@ the state they keep per parameter is the same too, so a torch checkpoint continu
 from __future__ import annotations
 
 import horovod.tensorflow as hvd
+import numpy as np
 import pytest
 import tensorflow as tf
 
@@ -251,6 +252,67 @@ def test_autotune_probes_both_arms_and_every_rank_keeps_the_faster(slow, graph):
     assert tuned == {"probes": probes, "compress": decided,
                      "compressed_ms": pytest.approx(1e3 * WORLD * cost[True]),
                      "uncompressed_ms": pytest.approx(1e3 * WORLD * cost[False])}
+
+
+def record_allreduces(monkeypatch) -> list:
+    """(name, elements) of each hvd.allreduce the reducer issues. Eager: a tf.cond runs only
+    the branch taken, so the list is what the step sent."""
+    sent, real = [], hvd.allreduce
+
+    def allreduce(tensor, *args, name=None, **kwargs):
+        sent.append((name, int(tf.size(tensor))))
+        return real(tensor, *args, name=name, **kwargs)
+    monkeypatch.setattr(hvd, "allreduce", allreduce)
+    return sent
+
+
+@pytest.mark.parametrize("spec", ["onebit,ef=vanilla", "topk,k=0.05,ef=vanilla,momentum=nesterov"])
+def test_uncompressed_steps_send_each_member_as_horovod_would(spec, monkeypatch):
+    """While compression is off, each member of a bucket goes to Horovod's allreduce as it is
+    (its piece, for one cut between buckets), not inside a bucket built to be split again.
+    Without a spec's momentum the step counts no stepping ranks either: it then issues what
+    Horovod's own optimizer would. A spec's momentum must not move while a rank is joined,
+    so that spec keeps the count."""
+    model = Model(spec)
+    oracle = bucket_oracle.BucketOracle(spec, WORLD)
+    sent = record_allreduces(monkeypatch)
+    pieces = sorted([m.n for b in oracle.layout for m in b.members]
+                    + [int(np.prod(SHAPES[name])) for name in oracle.plain])
+    for step in range(3):
+        on = step == 1
+        model.reducer.enabled.assign(on)
+        sent.clear()
+        grads = bucket_oracle.step_grads(step, WORLD)
+        oracle.check(model.reduce(grads), oracle(grads, compressing=on), f"step {step}")
+        counts = [n for name, n in sent if name == "hvdc.stepping_ranks"]
+        assert len(counts) == (1 if on or "momentum" in spec else 0), (step, sent)
+        if not on:
+            assert sorted(n for name, n in sent if name != "hvdc.stepping_ranks") == pieces, \
+                (step, sent)
+
+
+def test_autotune_counts_stepping_ranks_until_it_settles_on_uncompressed(monkeypatch):
+    """The probe's uncompressed steps are counted only where every rank stepped, so they count
+    the ranks; once autotune keeps uncompressed steps (here the compressed arm is slower on
+    the test's clock), a spec without momentum issues no count."""
+    from hvd_compress.autotune import WARMUP, compressed_arm
+    spec, probes = "onebit,ef=vanilla", 1
+    model = Model(f"{spec},autotune={probes}")
+    tune = model.reducer.autotune
+    ticks = tf.Variable(0.0, dtype=tf.float64)
+    tune.clock = lambda: ticks.assign_add(tf.where(tune.enabled, tf.constant(1.0, tf.float64),
+                                                   0.1))
+    oracle = bucket_oracle.BucketOracle(spec, WORLD)
+    sent = record_allreduces(monkeypatch)
+    probing = WARMUP + 2 * probes
+    for step in range(probing + 2):
+        arm = compressed_arm(step - WARMUP) if step < probing else False
+        sent.clear()
+        grads = bucket_oracle.step_grads(step, WORLD)
+        oracle.check(model.reduce(grads), oracle(grads, compressing=arm), f"step {step}")
+        issued = sum(name == "hvdc.stepping_ranks" for name, _ in sent)
+        assert issued == (1 if step < probing else 0), (step, arm, sent)
+    assert model.reducer.compression_report()["autotune"]["compress"] is False
 
 
 def test_autotune_leaves_no_room_for_a_compression_schedule():
