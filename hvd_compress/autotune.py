@@ -5,7 +5,10 @@ with busy cores that trade can lose: two ranks sharing two vCPUs at 10 Gbit/s ru
 0.83-0.96x as fast as Horovod without compression (docs/benchmarks.md). Which side wins depends
 on the link, the cores and the model, so it is measured rather than predicted:
 
-    1. The first WARMUP steps compress (plans, buffers and kernel dispatch are made there).
+    1. The first WARMUP steps warm both arms up, two compressed then two uncompressed, and are
+       not timed: an arm's first steps make its plans, buffers and kernel dispatch, and
+       Horovod negotiates its tensors' names (Keras' ResNet-50, 2 ranks on 2 cores: the
+       uncompressed arm's first two steps took 912 and 494 ms, its later ones 356-412).
     2. The next 2K steps are the probe: compressed and uncompressed in turn, the order flipped
        in every pair so that a drift in step time weighs on both arms alike. An uncompressed
        step sends every gradient through Horovod's allreduce; its compression state stays as it
@@ -13,7 +16,8 @@ on the link, the cores and the model, so it is measured rather than predicted:
        which the optimizer's own (set to 0) cannot replace.
     3. A step's time runs from its first gradient to the end of synchronize(): forward and the
        optimizer's update are the same in both arms, and a second model trained in between
-       (bench/network.py --paired) stays out of it.
+       (bench/network.py --paired) stays out of it. A TensorFlow graph has no first-gradient
+       hook, and times from the previous step's end (tensorflow/autotune.py says why).
     4. After the probe's last step, one allreduce sums each probe step's time over the ranks,
        so that every rank takes the same decision: compress from then on unless the median
        uncompressed step is faster than the median compressed one.
@@ -26,7 +30,7 @@ from __future__ import annotations
 import statistics
 import time
 
-WARMUP = 2
+WARMUP = 4
 
 
 class Autotune:
@@ -87,6 +91,6 @@ class Autotune:
 def compressed_arm(i: int) -> bool:
     """Whether probe step i (warm-up steps: i < 0) compresses: pairs (C, U), (U, C), ..."""
     if i < 0:
-        return True
+        return i < -WARMUP // 2
     pair, second = divmod(i, 2)
     return (pair % 2 == 0) != bool(second)

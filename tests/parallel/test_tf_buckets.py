@@ -226,21 +226,23 @@ def test_a_traced_bucket_waits_only_for_its_own_gradients(spec):
                          ids=["eager", "tf.function"] if WORLD == 2 else ["tf.function"])
 @pytest.mark.parametrize("slow", ["compressed", "uncompressed"])
 def test_autotune_probes_both_arms_and_every_rank_keeps_the_faster(slow, graph):
-    """The twin of the torch test, with the probe in the step's own ops: 2 warm-up steps
-    compress, then (C, U), (U, C); an uncompressed step is one with `enabled` off. The clock is
-    the test's: each reading advances by the arm's cost, so one arm is slower on every rank."""
+    """The twin of the torch test, with the probe in the step's own ops: warm-up steps
+    (C, C, U, U), then (C, U), (U, C); an uncompressed step is one with `enabled` off. The clock
+    is the test's, and it stands still inside the reduction: the arm's cost is added before the
+    step, as forward and backward would take it, so a step's time must run from the end of the
+    previous one. One arm is slower on every rank."""
     from hvd_compress.autotune import WARMUP, compressed_arm
     spec, probes = "topk,k=0.05,ef=vanilla,momentum=nesterov", 2
     model = Model(f"{spec},autotune={probes}", graph=graph)
     tune = model.reducer.autotune
     ticks = tf.Variable(0.0, dtype=tf.float64)
     slow_arm = slow == "compressed"
-    tune.clock = lambda: ticks.assign_add(tf.where(tf.equal(tune.enabled, slow_arm),
-                                                   tf.constant(1.0, tf.float64), 0.1))
+    tune.clock = ticks.read_value
     oracle = bucket_oracle.BucketOracle(spec, WORLD)
     decided = slow == "uncompressed"
     for step in range(WARMUP + 2 * probes + 2):
         arm = compressed_arm(step - WARMUP) if step < WARMUP + 2 * probes else decided
+        ticks.assign_add(1.0 if arm == slow_arm else 0.1)
         grads = bucket_oracle.step_grads(step, WORLD)
         oracle.check(model.reduce(grads), oracle(grads, compressing=arm),
                      f"step {step}, {'compressed' if arm else 'uncompressed'}")

@@ -19,10 +19,12 @@ def run(tune, steps, counted=True):
 
 
 def test_the_probe_alternates_pairs_after_the_warm_up():
+    warm_up = [True, True, False, False]  # each arm warmed up, compressed first
+    assert WARMUP == len(warm_up)
     assert [compressed_arm(i) for i in range(-WARMUP, 8)] == (
-        [True] * WARMUP + [True, False, False, True, True, False, False, True])
+        warm_up + [True, False, False, True, True, False, False, True])
     tune = Autotune(3)
-    assert run(tune, WARMUP + 5) == [True] * WARMUP + [True, False, False, True, True]
+    assert run(tune, WARMUP + 5) == warm_up + [True, False, False, True, True]
     assert tune.compress is None and len(tune.times) == 5
 
 
