@@ -565,15 +565,13 @@ class Reducer:
         `step`: a bucket's counter (its first member's); a gradient alone advances its own."""
         nbytes = (grad.shape.num_elements() or 0) * grad.dtype.size
         info, ps = self.codec.info, self.process_set
-        this_step = step
-        if this_step is None:
-            this_step = (self.store.next_step(name) if self._counted()
-                         else tf.constant(0, tf.int64))
+        if step is None:
+            step = self.store.next_step(name) if self._counted() else tf.constant(0, tf.int64)
         job = collectives.Job(name=name, n=grad.shape.num_elements(),
                               itemsize=grad.dtype.size, config=self.config,
                               rank=self._rank(), world=ps.size(),
                               average=self.op == hvd.Average, opname=opname,
-                              step=this_step, fields_step=fields_step(self.config, this_step),
+                              step=step, fields_step=fields_step(self.config, step),
                               nodes=self.nodes, gloo=self.gloo, extra={"grad": grad},
                               members=members)
         collectives.choose(job)
