@@ -232,6 +232,11 @@ class StateStore:
         """Whether the open (traced) step first touched state inside a conditional branch."""
         return bool(self._inner)
 
+    def touched_only_in_branches(self) -> bool:
+        """Whether all the open (traced) step touched, it touched inside conditional branches:
+        a step whose branches did not run has changed nothing."""
+        return bool(self._txn) and all(key in self._inner for key in self._txn)
+
     def commit(self) -> None:
         """Keep what the open step did (no-op when none is open)."""
         if self._txn is None:
