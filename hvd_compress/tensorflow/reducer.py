@@ -480,7 +480,7 @@ class Reducer:
         return self._layouts[key]
 
     def _reduce_in_buckets(self, grads, variables, names) -> list:
-        """Each bucket's dense gradients as one tensor through _reduce_one, with its members'
+        """Each bucket's dense gradients as one tensor through _reduce_bucket, with its members'
         state (TFCodec.view); a member without a dense gradient (None, IndexedSlices) is left
         out of its bucket, as on every rank, and reduced alone."""
         layout = self._layout(variables, names)
@@ -490,25 +490,48 @@ class Reducer:
         steps = self._member_steps([n for n in dense if n in inside])
         off = ({n: self._plain_momentum(g, n, off_only=True) for n, g in dense.items()
                 if n in inside} if spec_momentum(self.config) is not None else None)
-        pieces: dict[str, list] = {}
+        plan = []  # (bucket name, its members present in this step, whether it is kept plain)
         for bucket in layout:
             present = [m for m in bucket.members if m.name in dense]
-            if not present:
-                continue
-
-            name = bucket.named(present)
+            if present:
+                name = bucket.named(present)
+                kept = self._kept_plain(tf.TensorSpec([sum(m.n for m in present)],
+                                                      dense[present[0].name].dtype),
+                                        name, bucket=True)
+                plan.append((name, present, kept))
+        whole = self._sent_whole(plan)
+        pieces: dict[str, list] = {}
+        for name, present, kept in plan:
             self.codec.view(name, [(m.name, dense[m.name], m.start, m.stop) for m in present])
             reduced = self._reduce_bucket(name, present, dense, off or dense,
-                                          steps.get(present[0].name))
+                                          steps.get(present[0].name), kept, whole)
             for m, piece in zip(present, reduced):
                 pieces.setdefault(m.name, []).append(piece)
         out = []
         for g, name in zip(grads, names):
             if name not in pieces:
                 out.append(self._reduce_one(g, name))
+            elif name in whole:  # whole in its last bucket's output while compression is off
+                out.append(tf.reshape(tf.cond(
+                    tf.logical_and(self.enabled, self._no_rank_joined()),
+                    lambda got=pieces[name]: tf.concat(got, 0), lambda got=pieces[name]: got[-1]),
+                    g.shape))
             else:
                 out.append(tf.reshape(concat_pieces(pieces[name]), g.shape))
         return out
+
+    @staticmethod
+    def _sent_whole(plan: list) -> dict:
+        """Parameter -> the bucket that sends it whole while compression is off: each one cut
+        between buckets that compress, in the last of them. Sent piece by piece, ResNet-50's
+        five tensors over 4 MiB (11M of its 25.6M elements) would be sliced and joined again
+        in every uncompressed step."""
+        holders: dict[str, list] = {}
+        for name, present, kept in plan:
+            for m in present:
+                holders.setdefault(m.name, []).append((name, kept))
+        return {param: held[-1][0] for param, held in holders.items()
+                if len(held) > 1 and not any(kept for _, kept in held)}
 
     def _counted(self) -> bool:
         """Only codecs that read the step keep a counter variable: seeded ones (and the
@@ -527,22 +550,23 @@ class Reducer:
         return {name: tf.cond(active, lambda n=name: self.store.next_step(n),
                               lambda: tf.constant(0, tf.int64)) for name in names}
 
-    def _reduce_bucket(self, name: str, present: list, dense: dict, off: dict, step) -> list:
+    def _reduce_bucket(self, name: str, present: list, dense: dict, off: dict, step,
+                       kept: bool, whole: dict) -> list:
         """A bucket's members reduced, each as a flat piece. Compressed, the bucket travels as
         one tensor. While compression is off, each member (`off`: with the spec's momentum) goes
-        to Horovod's allreduce as it is, for Horovod to fuse, as its own optimizer sends them:
-        the bucket is built only in the branch that compresses, since a tensor made outside a
-        tf.cond is made whichever branch runs. Keras' ResNet-50 with compression off (2 ranks
-        on 2 cores, loopback) took 370-413 ms a step while each bucket was concatenated, sent
-        whole and split again (and the ranks counted), 330-343 ms now; Horovod's own
-        optimizer 325-348 ms."""
+        to Horovod's allreduce as it is, for Horovod to fuse, as its own optimizer sends them,
+        a member cut between buckets whole in the one `whole` names (an empty piece in the
+        others): the bucket is built only in the branch that compresses, since a tensor made
+        outside a tf.cond is made whichever branch runs. Keras' ResNet-50 with compression off
+        (2 ranks on 2 cores, loopback) took 370-413 ms a step while each bucket was
+        concatenated, sent whole and split again (and the ranks counted), 330-343 ms with each
+        piece sent alone; Horovod's own optimizer 325-348 ms."""
         opname = "hvdc." + _OP_NAME.sub("_", name)
         sizes = [m.n for m in present]
 
         def cat(grads):
             return concat_pieces([flat_range(grads[m.name], m.start, m.stop) for m in present])
-        if self._kept_plain(tf.TensorSpec([sum(sizes)], dense[present[0].name].dtype), name,
-                            bucket=True):
+        if kept:
             return split_pieces(self._plain(self._plain_momentum(cat(dense), name), opname), sizes)
         members = tuple((m.name, m.n) for m in present)
 
@@ -550,8 +574,17 @@ class Reducer:
             return split_pieces(self._compressed(cat(dense), name, opname, step, members), sizes)
 
         def plain():
-            return [self._plain(flat_range(off[m.name], m.start, m.stop), f"{opname}.{i}.plain")
-                    for i, m in enumerate(present)]
+            out = []
+            for i, m in enumerate(present):
+                if m.name not in whole:
+                    out.append(self._plain(flat_range(off[m.name], m.start, m.stop),
+                                           f"{opname}.{i}.plain"))
+                elif whole[m.name] == name:
+                    out.append(tf.reshape(self._plain(
+                        off[m.name], "hvdc." + _OP_NAME.sub("_", m.name) + ".plain"), [-1]))
+                else:
+                    out.append(tf.zeros([0], off[m.name].dtype))
+            return out
         return tf.cond(tf.logical_and(self.enabled, self._no_rank_joined()), compressed, plain)
 
     def _reduce_one(self, grad, name: str):
