@@ -245,6 +245,22 @@ def test_a_traced_step_checks_finiteness_only_where_its_state_can_change(spec):
             assert same_bits(after["slots"][name][kind], arr), (name, kind)
 
 
+def test_the_probe_times_a_traced_step_to_the_end_of_all_its_reduction_did():
+    """The probe's clock runs after everything the step's reduction started, state writes and
+    the finite check included, not only after the reduced gradients: work left after the
+    clock would be timed in the next step, whichever arm that is (on Keras' ResNet-50 the
+    uncompressed steps that followed compressed ones measured 10-20% above Horovod's)."""
+    model = Model("onebit,ef=vanilla,autotune=2", graph=True)
+    graph = model.step.get_concrete_function(
+        [tf.TensorSpec(shape) for shape in SHAPES.values()]).graph
+    ops = graph.get_operations()
+    clock = next(op for op in ops if op.type == "Timestamp")
+    before = graph_ancestors(clock)
+    conds = [op for op in ops[:ops.index(clock)] if op.type in ("If", "StatelessIf")]
+    assert len(conds) > 2 and all(op in before for op in conds), \
+        [op.name for op in conds if op not in before]
+
+
 @pytest.mark.parametrize("graph", [False, True] if WORLD == 2 else [True],
                          ids=["eager", "tf.function"] if WORLD == 2 else ["tf.function"])
 @pytest.mark.parametrize("slow", ["compressed", "uncompressed"])
