@@ -31,13 +31,13 @@ against its own baseline, and the lowest and highest of them. Within a round the
 first, after every BASE_EVERY rows and last, and each Horovod row's speedup is against the mean
 of the baseline's runs on either side of it: on a shared VM the baseline alone moved by 15%
 between rounds, and one run of it set every speedup of its round. DDP's rows, a job of their
-own, are measured against the median of the round's baseline runs. With --paired (PyTorch
-models), each of our rows trains a second copy of the model through uncompressed Horovod in the
-same job, a step of one then a step of the other (which goes first alternates), and its speedup
-is against the median of those baseline steps: on a VM whose speed moved by 10-30% from one
-minute to the next, two runs of a minute apart differed by more than compression gains at
-10 Gbit/s. Horovod runs over Gloo (no MPI launcher can cross the namespaces); the ranks get
-the same rendezvous that horovodrun would give them.
+own, are measured against the median of the round's baseline runs. With --paired, each of our
+rows trains a second copy of the model through uncompressed Horovod in the same job, a step of
+one then a step of the other (which goes first alternates; in Keras the baseline's, as
+keras_worker says why), and its speedup is against the median of those baseline steps: on a
+VM whose speed moved by 10-30% from one minute to the next, two runs of a minute apart differed
+by more than compression gains at 10 Gbit/s. Horovod runs over Gloo (no MPI launcher can cross
+the namespaces); the ranks get the same rendezvous that horovodrun would give them.
 
 Needs root (namespaces, tc). The namespaces are deleted on exit, on failure and on Ctrl-C, and
 ones left by a run that was killed outright are removed by the next run.
@@ -308,13 +308,13 @@ def torch_step(model, opt, batch):
     return step
 
 
-def time_steps(step, opts, iface, sync, base=None):
+def time_steps(step, opts, iface, sync, base=None, alternate=True):
     """The median step time, the bytes sent per step, and the CPU the process (every thread:
     the framework's, Horovod's or DDP's, ours) and its main thread spent per step. Ranks that
     share a machine's cores show here whether a row lost on the wire or on the CPU. With `base`
     (the baseline's step: --paired), time_paired."""
     if base is not None:
-        return time_paired(step, base, opts, iface, sync)
+        return time_paired(step, base, opts, iface, sync, alternate)
     times = []
     for i in range(opts["warmup"] + opts["steps"]):
         if i == opts["warmup"]:
@@ -334,17 +334,17 @@ def time_steps(step, opts, iface, sync, base=None):
             "main_cpu_ms_per_step": 1e3 * main / opts["steps"]}
 
 
-def time_paired(step, base, opts, iface, sync):
+def time_paired(step, base, opts, iface, sync, alternate=True):
     """time_steps with a step of `base` beside each of `step`'s, the first of the two
-    alternating. Bytes and CPU are `step`'s alone, read around each of its steps; paired_base_ms
-    is the median of the baseline's steps."""
+    alternating (alternate=False: `base` always first). Bytes and CPU are `step`'s alone, read
+    around each of its steps; paired_base_ms is the median of the baseline's steps."""
     times, base_times = [], []
     sent = cpu = main = 0
     for i in range(opts["warmup"] + opts["steps"]):
         if i == opts["warmup"]:
             sync()
         timed = i >= opts["warmup"]
-        for which in ((base, step) if i % 2 else (step, base)):
+        for which in ((base, step) if i % 2 or not alternate else (step, base)):
             if which is step and timed:
                 sent, cpu, main = (sent - tx_bytes(iface), cpu - time.process_time(),
                                    main - time.thread_time())
@@ -451,16 +451,7 @@ def keras_worker(args):
     opts = json.loads(args.opts)
     out = []
     for label, how, spec in json.loads(args.rows):
-        tf.keras.utils.set_random_seed(0)
-        model = tf.keras.applications.ResNet50(weights=None, input_shape=(32, 32, 3),
-                                               classes=1000)
-        gen = tf.random.Generator.from_seed(1 + hvd.rank())
-        x = gen.normal([opts["batch"], 32, 32, 3])
-        y = gen.uniform([opts["batch"]], 0, 1000, dtype=tf.int64)
-
-        def loss():
-            return tf.reduce_mean(tf.keras.losses.sparse_categorical_crossentropy(
-                y, model(x, training=True)))
+        model, loss = keras_model(tf, hvd, opts)
         if spec.startswith("threshold"):
             with tf.GradientTape() as tape:
                 value = loss()
@@ -473,25 +464,52 @@ def keras_worker(args):
             opt = hvd_keras.DistributedOptimizer(sgd, compression=comp)
         else:
             opt = hvdk.DistributedOptimizer(sgd, compression=spec, bucket_mb=opts["bucket_mb"])
-
-        @tf.function
-        def step():
-            with tf.GradientTape() as tape:
-                value = loss()
-            opt.apply_gradients(opt.compute_gradients(value, model.trainable_variables,
-                                                      tape=tape))
-        hvd.broadcast_variables(model.variables, root_rank=0)
-        # The first warm-up step traces the function.
-        r = time_steps(step, opts, args.iface, lambda: hvd.allreduce(tf.zeros(1), name="sync"))
+        base = None
+        if opts.get("paired") and how == "ours":
+            base_model, base_loss = keras_model(tf, hvd, opts)
+            base = keras_step(tf, base_model, base_loss, hvd_keras.DistributedOptimizer(
+                tf.keras.optimizers.SGD(0.01, momentum=0.9)))
+        step = keras_step(tf, model, loss, opt)
+        # The first warm-up step traces each function. The baseline's step goes first every
+        # time: a traced step's autotune probe times it from the end of our previous step
+        # (tensorflow/autotune.py), and in turns every other window held two baseline steps,
+        # in step with the probe's arms: uncompressed windows measured 840-1110 ms a rank,
+        # compressed ones 300-480, and every row kept compression.
+        r = time_steps(step, opts, args.iface, lambda: hvd.allreduce(tf.zeros(1), name="sync"),
+                       base, alternate=False)
         if how == "ours" and opts.get("autotune"):
             r["autotune"] = opt._hvdc_reducer.compression_report()["autotune"]
         out.append(shown(hvd.rank(), label, spec, r))
-        del model, loss, sgd, opt, step
+        del model, loss, sgd, opt, step, base
         tf.keras.backend.clear_session()
         gc.collect()
     if hvd.rank() == 0:
         with open(args.result, "w") as f:
             json.dump(out, f)
+
+
+def keras_model(tf, hvd, opts):
+    """Keras' ResNet-50 with every rank's starting weights, and the loss of this rank's batch."""
+    tf.keras.utils.set_random_seed(0)
+    model = tf.keras.applications.ResNet50(weights=None, input_shape=(32, 32, 3), classes=1000)
+    gen = tf.random.Generator.from_seed(1 + hvd.rank())
+    x = gen.normal([opts["batch"], 32, 32, 3])
+    y = gen.uniform([opts["batch"]], 0, 1000, dtype=tf.int64)
+    hvd.broadcast_variables(model.variables, root_rank=0)
+
+    def loss():
+        return tf.reduce_mean(tf.keras.losses.sparse_categorical_crossentropy(
+            y, model(x, training=True)))
+    return model, loss
+
+
+def keras_step(tf, model, loss, opt):
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            value = loss()
+        opt.apply_gradients(opt.compute_gradients(value, model.trainable_variables, tape=tape))
+    return step
 
 
 def ddp_worker(args):
@@ -652,8 +670,7 @@ def main():
                     help="HOROVOD_CYCLE_TIME for every Horovod and hvd_compress row, the "
                          "baseline included (default: the environment's, else Horovod's 1 ms)")
     ap.add_argument("--paired", action="store_true",
-                    help="each of our rows against a baseline trained beside it, step by step "
-                         "(PyTorch models)")
+                    help="each of our rows against a baseline trained beside it, step by step")
     ap.add_argument("--autotune", type=int, default=0,
                     help="autotune=K in each of our rows' specs (hvd_compress.autotune), its "
                          "probe inside the warm-up steps")
@@ -688,9 +705,6 @@ def main():
         sys.exit(f"--cycle-time-ms must be above 0 (HOROVOD_CYCLE_TIME where it is not given), "
                  f"got {cycle!r}")
     os.environ["HOROVOD_CYCLE_TIME"] = f"{cycle_ms:g}"  # launch() passes it on
-    if args.paired and args.model in KERAS_MODELS:
-        sys.exit(f"--paired trains PyTorch models only, not {args.model}; valid: "
-                 f"{', '.join(m for m in MODELS if m not in KERAS_MODELS)}")
     if args.autotune < 0:
         sys.exit(f"--autotune must be a number of probe steps per arm >= 0, got {args.autotune}")
     params_m = {"resnet50": 25.557032, "transformer": 108.9, "keras-resnet50": 25.583592}.get(
@@ -708,7 +722,8 @@ def main():
     if args.select:
         words = args.select.split(",")
         table = [r for r in table if r[1] == "horovod" or any(w in r[0] for w in words)]
-    if args.model in KERAS_MODELS:
+    keras = args.model in KERAS_MODELS
+    if keras:
         table = [r for r in table if r[1] != "ddp"]  # DDP hooks are torch's
     if args.autotune:
         table = [(label, how, f"{spec},autotune={args.autotune}" if how == "ours" else spec)
@@ -724,15 +739,24 @@ def main():
             steps_s = (opts["warmup"] + opts["steps"]) * per_node * opts["params_m"] * 32e6 \
                 / RATES[rate]
 
-            def timeout(rows):
-                return 600 + len(rows) * (steps_s + 60)
+            def timeout(rows):  # --paired: each of our rows builds and steps two models
+                return 600 + len(rows) * (steps_s + 60) * (2 if args.paired else 1)
             for k in range(args.rounds):
                 order = 1 if k % 2 == 0 else -1
                 hv = [r for r in table if r[1] != "ddp"]
                 hv = bracketed(hv[:1] + hv[1:][::order])
-                run_horovod(link, hv, opts, os.path.join(tmp, "h.json"), timeout(hv), per_node)
-                with open(os.path.join(tmp, "h.json")) as f:
-                    ran = against_bracket(json.load(f), table[0][0])
+                # A process keeps some of every Keras model, optimizer and traced step it built
+                # after clear_session() (ResNet-50 through Horovod's optimizer: 0.2 GB a row,
+                # through ours 0.7 GB): with --paired each row builds two, and the 2-core
+                # machine's 23 GB ran out at the fourteenth row. Then each row is a job.
+                jobs = [[r] for r in hv] if keras and args.paired else [hv]
+                ran = []
+                for i, job in enumerate(jobs):
+                    path = os.path.join(tmp, f"h{i}.json")
+                    run_horovod(link, job, opts, path, timeout(job), per_node)
+                    with open(path) as f:
+                        ran += json.load(f)
+                ran = against_bracket(ran, table[0][0])
                 # in the table's order (the baseline's runs first), as every round lists them
                 place = {label: i for i, (label, _, _) in enumerate(table)}
                 ran.sort(key=lambda r: place[r["row"]])
