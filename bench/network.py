@@ -33,8 +33,9 @@ of the baseline's runs on either side of it: on a shared VM the baseline alone m
 between rounds, and one run of it set every speedup of its round. DDP's rows, a job of their
 own, are measured against the median of the round's baseline runs. With --paired, each of our
 rows trains a second copy of the model through uncompressed Horovod in the same job, a step of
-one then a step of the other (which goes first alternates; in Keras the baseline's, as
-keras_worker says why), and its speedup is against the median of those baseline steps: on a
+one then a step of the other (which goes first alternates; in Keras' warm-up the baseline's,
+as keras_worker says why; an even --steps puts each first equally often), and its speedup is
+against the median of those baseline steps: on a
 VM whose speed moved by 10-30% from one minute to the next, two runs of a minute apart differed
 by more than compression gains at 10 Gbit/s. Horovod runs over Gloo (no MPI launcher can cross
 the namespaces); the ranks get the same rendezvous that horovodrun would give them.
@@ -308,13 +309,13 @@ def torch_step(model, opt, batch):
     return step
 
 
-def time_steps(step, opts, iface, sync, base=None, alternate=True):
+def time_steps(step, opts, iface, sync, base=None, alternate_warmup=True):
     """The median step time, the bytes sent per step, and the CPU the process (every thread:
     the framework's, Horovod's or DDP's, ours) and its main thread spent per step. Ranks that
     share a machine's cores show here whether a row lost on the wire or on the CPU. With `base`
     (the baseline's step: --paired), time_paired."""
     if base is not None:
-        return time_paired(step, base, opts, iface, sync, alternate)
+        return time_paired(step, base, opts, iface, sync, alternate_warmup)
     times = []
     for i in range(opts["warmup"] + opts["steps"]):
         if i == opts["warmup"]:
@@ -334,17 +335,21 @@ def time_steps(step, opts, iface, sync, base=None, alternate=True):
             "main_cpu_ms_per_step": 1e3 * main / opts["steps"]}
 
 
-def time_paired(step, base, opts, iface, sync, alternate=True):
+def time_paired(step, base, opts, iface, sync, alternate_warmup=True):
     """time_steps with a step of `base` beside each of `step`'s, the first of the two
-    alternating (alternate=False: `base` always first). Bytes and CPU are `step`'s alone, read
-    around each of its steps; paired_base_ms is the median of the baseline's steps."""
+    alternating (alternate_warmup=False: `base` first in every warm-up step). The timed steps
+    always alternate: Keras' ResNet-50 through Horovod's optimizer, paired with itself at 10
+    Gbit/s, took 4-5% longer a step second than first (308 vs 295 ms, 327 vs 310), and a row
+    always second lost that much. Bytes and CPU are `step`'s alone, read around each of its
+    steps; paired_base_ms is the median of the baseline's steps."""
     times, base_times = [], []
     sent = cpu = main = 0
     for i in range(opts["warmup"] + opts["steps"]):
         if i == opts["warmup"]:
             sync()
         timed = i >= opts["warmup"]
-        for which in ((base, step) if i % 2 or not alternate else (step, base)):
+        base_first = i % 2 or (i < opts["warmup"] and not alternate_warmup)
+        for which in ((base, step) if base_first else (step, base)):
             if which is step and timed:
                 sent, cpu, main = (sent - tx_bytes(iface), cpu - time.process_time(),
                                    main - time.thread_time())
@@ -470,13 +475,13 @@ def keras_worker(args):
             base = keras_step(tf, base_model, base_loss, hvd_keras.DistributedOptimizer(
                 tf.keras.optimizers.SGD(0.01, momentum=0.9)))
         step = keras_step(tf, model, loss, opt)
-        # The first warm-up step traces each function. The baseline's step goes first every
-        # time: a traced step's autotune probe times it from the end of our previous step
-        # (tensorflow/autotune.py), and in turns every other window held two baseline steps,
-        # in step with the probe's arms: uncompressed windows measured 840-1110 ms a rank,
-        # compressed ones 300-480, and every row kept compression.
+        # The first warm-up step traces each function. The baseline's step goes first in
+        # every warm-up step, where the probe runs: a traced step's autotune probe times it
+        # from the end of our previous step (tensorflow/autotune.py), and in turns every other
+        # window held two baseline steps, in step with the probe's arms: uncompressed windows
+        # measured 840-1110 ms a rank, compressed ones 300-480, and every row kept compression.
         r = time_steps(step, opts, args.iface, lambda: hvd.allreduce(tf.zeros(1), name="sync"),
-                       base, alternate=False)
+                       base, alternate_warmup=False)
         if how == "ours" and opts.get("autotune"):
             r["autotune"] = opt._hvdc_reducer.compression_report()["autotune"]
         out.append(shown(hvd.rank(), label, spec, r))

@@ -180,20 +180,24 @@ def test_network_measures_each_row_against_the_baseline_runs_around_it():
         [100.0] + [120.0] * every + [140.0] + [130.0] * (6 - every) + [120.0])
 
 
-@pytest.mark.parametrize("alternate", [True, False])
-def test_paired_steps_alternate_or_keep_the_baseline_first(alternate):
-    """In turns, a step of ours follows the baseline's every other time; Keras' (alternate off)
-    always does, so that a window from one of our steps' end to the next holds one baseline
-    step each time, never none then two."""
+@pytest.mark.parametrize("alternate_warmup", [True, False])
+def test_paired_steps_alternate_or_keep_the_baseline_first_in_warmup(alternate_warmup):
+    """In turns, a step of ours follows the baseline's every other time, so that neither is
+    always second. Keras' warm-up (alternate_warmup off) keeps the baseline first, so that a
+    window from one of our steps' end to the next holds one baseline step each time, never
+    none then two; its timed steps alternate."""
     import network
     calls = []
-    opts = {"warmup": 2, "steps": 4}
+    opts = {"warmup": 4, "steps": 4}
     r = network.time_paired(lambda: calls.append("S"), lambda: calls.append("B"), opts, "lo",
-                            lambda: None, alternate)
-    pairs = ["SB", "BS"] * 3 if alternate else ["BS"] * 6
-    assert "".join(calls) == "".join(pairs)
-    between = [len(gap) for gap in "".join(calls).split("S")[1:-1]]
-    assert between == ([2, 0, 2, 0, 2] if alternate else [1] * 5)
+                            lambda: None, alternate_warmup)
+    steps = "".join(calls)
+    pairs = [steps[i:i + 2] for i in range(0, len(steps), 2)]
+    assert pairs[4:] == ["SB", "BS"] * 2  # timed: each first in half of them
+    assert pairs[:4] == (["SB", "BS"] * 2 if alternate_warmup else ["BS"] * 4)
+    # baseline steps between two of ours in the warm-up, where the probe runs
+    between = [len(gap) for gap in steps[:8].split("S")[1:4]]
+    assert between == ([2, 0, 2] if alternate_warmup else [1, 1, 1])
     assert r["paired_base_ms"] >= 0 and r["ms_per_step"] >= 0
 
 
