@@ -22,7 +22,7 @@ from __future__ import annotations
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
-from ..autotune import WARMUP, Autotune, compressed_arm
+from ..autotune import MARGIN, WARMUP, Autotune, compressed_arm
 from .codec import state_variable
 
 
@@ -76,9 +76,9 @@ class GraphAutotune:
                                    name="hvd_compress.autotune")
         self.summed.assign(summed)
         probed = self.arms[WARMUP:]
-        faster = _median(tf.boolean_mask(summed, tf.logical_not(probed)), self.probes) < \
-            _median(tf.boolean_mask(summed, probed), self.probes)
-        self.enabled.assign(tf.logical_not(faster))
+        pays = _median(tf.boolean_mask(summed, probed), self.probes) <= \
+            (1 - MARGIN) * _median(tf.boolean_mask(summed, tf.logical_not(probed)), self.probes)
+        self.enabled.assign(pays)
         self.decided.assign(True)
         return tf.constant(True)
 

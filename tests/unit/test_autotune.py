@@ -43,13 +43,38 @@ def test_the_decision_is_due_once_after_the_probe_and_keeps_the_faster_arm():
                              "uncompressed_ms": 250.0}
 
 
-@pytest.mark.parametrize("summed, keeps", [([0.3, 0.3, 0.3, 0.3], True),  # a tie compresses
+@pytest.mark.parametrize("summed, keeps", [([0.3, 0.3, 0.3, 0.3], False),  # a tie keeps exact steps
                                            ([0.2, 0.5, 0.5, 0.2], True),
-                                           ([0.4, 0.1, 0.2, 0.4], False)])
+                                           ([0.4, 0.1, 0.2, 0.4], False),
+                                           # C, U, U, C: 4% faster is within MARGIN, 6% is not
+                                           ([0.96, 1.0, 1.0, 0.96], False),
+                                           ([0.94, 1.0, 1.0, 0.94], True)])
 def test_medians_decide(summed, keeps):
     tune = Autotune(2)
     run(tune, WARMUP + 4)
     assert tune.decide(summed) is keeps
+
+
+@pytest.mark.parametrize("probes", [2, 3])
+def test_the_graphs_decision_is_the_same(probes):
+    """TensorFlow decides in the step's own ops (tensorflow/autotune.py), with a median of its
+    own: it must keep the arm the core keeps, at MARGIN's edge too."""
+    import tensorflow as tf
+    from hvd_compress.tensorflow.autotune import GraphAutotune
+
+    class OneRank:
+        def size(self):
+            return 1
+    for compressed, uncompressed in [(0.3, 0.3), (0.96, 1.0), (0.95, 1.0), (0.94, 1.0),
+                                     (0.2, 0.5), (0.5, 0.2)]:
+        summed = [compressed if compressed_arm(i) else uncompressed
+                  for i in range(2 * probes)]
+        enabled = tf.Variable(True)
+        tune = GraphAutotune(probes, enabled, OneRank())
+        tune.times.assign(summed)
+        tune._decide()
+        core = Autotune(probes)
+        assert bool(enabled.numpy()) is core.decide(summed), (compressed, uncompressed)
 
 
 def test_steps_with_a_joined_rank_are_not_counted_and_a_step_without_gradients_adds_zero():
