@@ -37,7 +37,9 @@ one then a step of the other (which goes first alternates; in Keras' warm-up the
 as keras_worker says why; an even --steps puts each first equally often), and its speedup is
 against the median of those baseline steps: on a
 VM whose speed moved by 10-30% from one minute to the next, two runs of a minute apart differed
-by more than compression gains at 10 Gbit/s. Horovod runs over Gloo (no MPI launcher can cross
+by more than compression gains at 10 Gbit/s. --paired also adds the row SELF_PAIR: uncompressed
+Horovod paired the same way with a copy of itself, whose speedup is what the harness measures
+for identical work. Horovod runs over Gloo (no MPI launcher can cross
 the namespaces); the ranks get the same rendezvous that horovodrun would give them.
 
 Needs root (namespaces, tc). The namespaces are deleted on exit, on failure and on Ctrl-C, and
@@ -97,6 +99,9 @@ ROWS_2X2 = [("horovod, no compression", "horovod", "none"),
                         ("two-level fp16", "hierarchical=fp16"))]
 LAYOUTS = {"1x2": (1, ROWS), "2x2": (2, ROWS_2X2)}  # ranks per node, rows
 BASE_EVERY = 4  # rows between two runs of the baseline in a round
+# With --paired, uncompressed Horovod beside a copy of itself: the spread that identical work
+# shows in the paired harness, against which our rows' speedups near 1.0x can be read.
+SELF_PAIR = "horovod beside a copy of itself"
 
 
 # ---- the namespaces -------------------------------------------------------------------------
@@ -398,7 +403,7 @@ def horovod_worker(args):
                                             bucket_mb=opts["bucket_mb"])
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         base = base_model = base_opt = None
-        if opts.get("paired") and how == "ours":
+        if opts.get("paired") and (how == "ours" or label == SELF_PAIR):
             base_model, base_batch = make_model({**opts, "rank": hvd.rank()}, seed=0)
             base_opt = hvd.DistributedOptimizer(
                 torch.optim.SGD(base_model.parameters(), lr=0.01, momentum=0.9),
@@ -470,7 +475,7 @@ def keras_worker(args):
         else:
             opt = hvdk.DistributedOptimizer(sgd, compression=spec, bucket_mb=opts["bucket_mb"])
         base = None
-        if opts.get("paired") and how == "ours":
+        if opts.get("paired") and (how == "ours" or label == SELF_PAIR):
             base_model, base_loss = keras_model(tf, hvd, opts)
             base = keras_step(tf, base_model, base_loss, hvd_keras.DistributedOptimizer(
                 tf.keras.optimizers.SGD(0.01, momentum=0.9)))
@@ -730,6 +735,8 @@ def main():
     keras = args.model in KERAS_MODELS
     if keras:
         table = [r for r in table if r[1] != "ddp"]  # DDP hooks are torch's
+    if args.paired:
+        table = table[:2] + [(SELF_PAIR, "horovod", "none")] + table[2:]
     if args.autotune:
         table = [(label, how, f"{spec},autotune={args.autotune}" if how == "ours" else spec)
                  for label, how, spec in table]

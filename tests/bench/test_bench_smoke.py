@@ -205,15 +205,20 @@ def test_paired_steps_alternate_or_keep_the_baseline_first_in_warmup(alternate_w
 @pytest.mark.skipif(NETWORK_UNAVAILABLE is not None, reason=f"{NETWORK_UNAVAILABLE}")
 def test_network_paired_measures_our_rows_against_a_baseline_beside_them(tmp_path):
     """--paired: each of our rows' speedup is against the baseline steps that ran between its
-    own, with its bytes its own; Horovod's rows keep the bracketed baseline."""
+    own, with its bytes its own; Horovod's rows keep the bracketed baseline, but for the one
+    paired with a copy of itself."""
+    import network
     run("network.py", "--quick", "--params-m", "0.3", "--steps", "2", "--rates", "1gbit",
         "--select", "topk,onebit", "--paired", "--out", str(tmp_path))
     data, rows = outputs(tmp_path, "network_paired")
     assert data["settings"]["paired"] is True
     ours = {r["row"]: r for r in data["rows"] if r["row"] in ("topk 1%", "onebit")}
     assert len(ours) == 2
+    twin = {r["row"]: r for r in data["rows"]}[network.SELF_PAIR]
     for r in data["rows"]:
-        assert (r["paired_base_ms"] is not None) == (r["row"] in ours), r["row"]
+        assert (r["paired_base_ms"] is not None) == (r["row"] in ours or r is twin), r["row"]
+    assert twin["speedup"] == pytest.approx(twin["paired_base_ms"] / twin["ms_per_step"])
+    assert twin["bytes_per_step"] > 1_000_000  # float32, as the copy beside it sends
     for r in ours.values():
         assert r["paired_base_ms"] > 0
         assert r["speedup"] == pytest.approx(r["paired_base_ms"] / r["ms_per_step"])
