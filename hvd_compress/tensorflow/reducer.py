@@ -585,7 +585,14 @@ class Reducer:
                 else:
                     out.append(tf.zeros([0], off[m.name].dtype))
             return out
-        return tf.cond(tf.logical_and(self.enabled, self._no_rank_joined()), compressed, plain)
+        # Each arm in a cond of its own: TF runs a cond that writes a variable after every
+        # earlier op that uses it, and a member cut between buckets has its residual written in
+        # both buckets' compressing branches. One cond for both arms made each bucket's
+        # uncompressed allreduces wait until the previous bucket's had completed.
+        active = tf.logical_and(self.enabled, self._no_rank_joined())
+        done = tf.cond(active, compressed,
+                       lambda: [tf.zeros([0], dense[m.name].dtype) for m in present])
+        return tf.cond(active, lambda: done, plain)
 
     def _reduce_one(self, grad, name: str):
         """A gradient alone: compressed, or (compression off, a rank joined) Horovod's."""
