@@ -334,7 +334,7 @@ def test_uncompressed_steps_send_each_member_as_horovod_would(spec, monkeypatch)
 
 
 @pytest.mark.parametrize("spec", ["onebit,ef=vanilla", "topk,k=0.05,ef=vanilla,momentum=nesterov"])
-def test_traced_uncompressed_buckets_wait_for_no_other_bucket(spec, monkeypatch):
+def test_traced_uncompressed_buckets_wait_for_no_other_bucket_nor_walk_its_compression(spec, monkeypatch):
     """While compression is off, a traced step sends each bucket's members from a cond of their
     own that touches no state. TF runs a cond that writes a variable after every earlier op
     that uses it, and a member cut between buckets has its residual written in both buckets'
@@ -361,6 +361,12 @@ def test_traced_uncompressed_buckets_wait_for_no_other_bucket(spec, monkeypatch)
     for op in conds:
         assert op.type == "StatelessIf" and not op.control_inputs, \
             (op.name, op.type, [c.name for c in op.control_inputs])
+        assert op.get_attr("_lower_using_switch_merge"), op.name  # each member as it arrives
+    # A compressing branch is kept as one If op, run only when taken: lowered to switches, its
+    # thousands of ops were walked as dead in every uncompressed step.
+    calls = [op for op in graph.get_operations() if op.type in ("If", "StatelessIf")
+             and not op.get_attr("_lower_using_switch_merge")]
+    assert len(calls) == len(oracle.layout), [op.name for op in calls]
     model.reducer.enabled.assign(False)
     grads = bucket_oracle.step_grads(0, WORLD)
     oracle.check(model.reduce(grads), oracle(grads, compressing=False), "uncompressed")
