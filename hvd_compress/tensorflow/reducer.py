@@ -544,12 +544,16 @@ class Reducer:
 
     def _member_steps(self, names: list) -> dict:
         """Each bucketed parameter's counter, advanced once per step however many buckets hold
-        its pieces, and only in a step that compresses (as _reduce_one advances its own)."""
-        if not self._counted():
+        its pieces, and only in a step that compresses (as _reduce_one advances its own). All
+        in one cond, run as a call: a cond per member put 214 more conds in each of ResNet-50's
+        uncompressed steps."""
+        if not self._counted() or not names:
             return {}
         active = tf.logical_and(self.enabled, self._no_rank_joined())
-        return {name: tf.cond(active, lambda n=name: self.store.next_step(n),
-                              lambda: tf.constant(0, tf.int64)) for name in names}
+        steps = tf.cond(active, lambda: [self.store.next_step(n) for n in names],
+                        lambda: [tf.constant(0, tf.int64) for _ in names])
+        _run_as_a_call(steps)
+        return dict(zip(names, steps))
 
     def _reduce_bucket(self, name: str, present: list, dense: dict, off: dict, step,
                        kept: bool, whole: dict) -> list:
