@@ -46,11 +46,14 @@ class Simulation:
         sum, then times 1/size."""
         taken = spec_momentum(self.cfg)
         if taken is not None:
-            kind, factor, _ = taken
+            kind, factor, slot = taken
             step = ref.nesterov if kind == "nesterov" else ref.heavy_ball
+            # the slot the codec's own steps keep (DGC's velocity), for a tensor that travels
+            # compressed in some steps and uncompressed in others
+            held = self.u if slot == "dgc_velocity" else self.m
             grads = list(grads)
             for r in range(self.world):
-                grads[r], self.m[r] = step(grads[r], self.m[r], factor, self.dtype)
+                grads[r], held[r] = step(grads[r], held[r], factor, self.dtype)
         acc = rank_sum([ref.to_acc(g, self.dtype) for g in grads])
         return ref.from_acc(acc * ref.acc_type(self.dtype)(1.0 / self.world), self.dtype)
 
