@@ -609,10 +609,14 @@ class Reducer:
             return self._plain(self._plain_momentum(grad, name), opname)
         off = self._plain_momentum(grad, name, off_only=True)
         # CompressionScheduleCallback flips `enabled`, and hvd.join() leaves ranks out of the
-        # step; every rank takes the same branch.
-        return tf.cond(tf.logical_and(self.enabled, self._no_rank_joined()),
-                       lambda: self._compressed(grad, name, opname),
-                       lambda: self._plain(off, opname + ".plain"))
+        # step; every rank takes the same branch. Each arm in a cond of its own, as a bucket's
+        # (_reduce_bucket): the uncompressed one waits for nothing that writes state.
+        active = tf.logical_and(self.enabled, self._no_rank_joined())
+        done = tf.cond(active, lambda: self._compressed(grad, name, opname),
+                       lambda: tf.zeros([0], grad.dtype))
+        _run_as_a_call([done])
+        return tf.reshape(tf.cond(active, lambda: done,
+                                  lambda: self._plain(off, opname + ".plain")), tf.shape(grad))
 
     def _compressed(self, grad, name: str, opname: str, step=None, members: tuple = ()):
         """`members`: a bucket's, as collectives.Job takes them; empty for a gradient alone.

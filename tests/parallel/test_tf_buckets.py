@@ -16,6 +16,7 @@ import tensorflow as tf
 import bucket_oracle
 from bucket_oracle import BUCKET_MB, SHAPES
 from helpers import ranks_marker, same_bits
+from simulation import Simulation
 import hvd_compress as hc
 import hvd_compress.tensorflow as hvdc_tf
 import hvd_compress.tensorflow.keras as hvdc_keras
@@ -371,6 +372,48 @@ def test_traced_uncompressed_buckets_wait_for_no_other_bucket_nor_walk_its_compr
     grads = bucket_oracle.step_grads(0, WORLD)
     oracle.check(model.reduce(grads), oracle(grads, compressing=False), "uncompressed")
 
+
+@pytest.mark.parametrize("spec", ["onebit,ef=vanilla", "topk,k=0.05,ef=vanilla,momentum=nesterov",
+                                  "dgc,k=0.05"])
+def test_traced_uncompressed_tensors_without_buckets_skip_their_compression(spec, monkeypatch):
+    """bucket_mb=0: each gradient alone, its arms in conds of their own as a bucket's. The
+    uncompressed cond touches no state, so it waits for no other gradient's compressing cond;
+    the compressing one is kept as one If op, not walked as dead in each uncompressed step."""
+    model = Model(spec, bucket_mb=0, graph=True)
+    sending, real = set(), hvd.allreduce
+
+    def allreduce(tensor, *args, name=None, **kwargs):
+        if name.endswith(".plain"):
+            sending.add(tf.compat.v1.get_default_graph().name)
+        return real(tensor, *args, name=name, **kwargs)
+    monkeypatch.setattr(hvd, "allreduce", allreduce)
+    graph = model.step.get_concrete_function(
+        [tf.TensorSpec(shape) for shape in SHAPES.values()]).graph
+    min_dim = hc.parse_spec(spec).info.min_dim
+    compressed = [n for n, shape in SHAPES.items() if len(shape) >= min_dim]
+    conds = [op for op in graph.get_operations() if op.type in ("If", "StatelessIf")
+             and op.get_attr("else_branch").name in sending]
+    assert len(conds) == len(sending) == len(compressed), (len(conds), sending, compressed)
+    for op in conds:
+        assert op.type == "StatelessIf" and not op.control_inputs, \
+            (op.name, op.type, [c.name for c in op.control_inputs])
+        assert op.get_attr("_lower_using_switch_merge"), op.name
+    calls = [op for op in graph.get_operations() if op.type in ("If", "StatelessIf")
+             and not op.get_attr("_lower_using_switch_merge")]
+    assert len(calls) == len(compressed), [op.name for op in calls]
+    # Both arms still give what each gradient simulated alone gives, state carried across.
+    sims = {name: Simulation(spec, int(np.prod(shape)), "float32", WORLD, name=name,
+                             plain=name not in compressed) for name, shape in SHAPES.items()}
+    for step, on in enumerate([True, False, True]):
+        model.reducer.enabled.assign(on)
+        grads = bucket_oracle.step_grads(step, WORLD)
+        got = model.reduce(grads)
+        for name, sim in sims.items():
+            sim.plain = not on or name not in compressed
+            want = sim([g.reshape(-1) for g in grads[name]]).reshape(SHAPES[name])
+            magnitude = sum(np.abs(g.astype(np.float64)) for g in grads[name])
+            bucket_oracle.assert_reduced(got[name], want, sim.plain, f"step {step}: {name}",
+                                         WORLD, magnitude)
 
 def test_autotune_counts_stepping_ranks_until_it_settles_on_uncompressed(monkeypatch):
     """The probe's uncompressed steps are counted only where every rank stepped, so they count
