@@ -449,15 +449,21 @@ class Reducer:
                               _ring_allreduce_bytes(sent, self.process_set.size()))
 
         # CompressionScheduleCallback flips `enabled`, and hvd.join() leaves ranks out of the
-        # step; every rank takes the same branch.
+        # step; every rank takes the same branch. The arms in conds of their own, as
+        # _reduce_one's: the uncompressed steps do not walk PowerSGD's ops as dead.
         def compressed():
             moved = [(name, opname, self.codec.plain_momentum(name, grad) if taken else grad)
                      for name, opname, grad in items]
             return self._by_name(self.powersgd.reduce(moved, self._plain, record), moved)
 
+        active = tf.logical_and(self.enabled, self._no_rank_joined())
+        done = tf.cond(active, compressed,
+                       lambda: [tf.zeros([0], grad.dtype) for _, _, grad in items])
+        _run_as_a_call(done)
         reduced = tf.cond(
-            tf.logical_and(self.enabled, self._no_rank_joined()), compressed,
+            active, lambda: done,
             lambda: [self._plain(g, opname + ".off") for (_, opname, _), g in zip(items, off)])
+        reduced = [tf.reshape(g, tf.shape(grad)) for g, (_, _, grad) in zip(reduced, items)]
         position = {name: i for i, name in enumerate(names)}
         for (name, _, _), g in zip(items, reduced):
             out[position[name]] = g

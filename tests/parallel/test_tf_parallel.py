@@ -320,6 +320,48 @@ def test_powersgd_equals_simulation(spec, dtype, graph):
             assert same_bits(slots[f"p{i}"]["momentum"], sims[i].m[RANK])
 
 
+def test_traced_uncompressed_powersgd_steps_wait_for_no_state_nor_walk_its_compression(
+        monkeypatch):
+    """As a bucket's or a lone gradient's: the uncompressed arm is a cond of its own that
+    touches no state, and the compressing one is kept as one If op, not walked as dead in
+    each uncompressed step. Both still give the simulation's gradients, state carried across
+    steps that switch compression off and on."""
+    spec = "powersgd,rank=2,start_iter=0,momentum=nesterov,mu=0.9"
+    shapes = [(40, 30), (30, 20)]
+    variables = [tf.Variable(tf.zeros(s), name=f"psgd_call{i}") for i, s in enumerate(shapes)]
+    names = [f"psgd_call{i}" for i in range(len(shapes))]
+    reducer = hvdt.Reducer(hc.parse_spec(spec), 0, hvd.Average, hvd.global_process_set)
+    step = tf.function(lambda gs: reducer.reduce(gs, variables, names))
+    sending, real = set(), hvd.allreduce
+
+    def allreduce(tensor, *args, name=None, **kwargs):
+        if name.endswith(".off"):
+            sending.add(tf.compat.v1.get_default_graph().name)
+        return real(tensor, *args, name=name, **kwargs)
+    monkeypatch.setattr(hvd, "allreduce", allreduce)
+    graph = step.get_concrete_function([tf.TensorSpec(s) for s in shapes]).graph
+    monkeypatch.setattr(hvd, "allreduce", real)
+    conds = [op for op in graph.get_operations() if op.type in ("If", "StatelessIf")
+             and op.get_attr("else_branch").name in sending]
+    assert len(conds) == len(sending) == 1, ([op.name for op in conds], sending)
+    assert conds[0].type == "StatelessIf" and not conds[0].control_inputs, \
+        (conds[0].type, [c.name for c in conds[0].control_inputs])
+    assert conds[0].get_attr("_lower_using_switch_merge")
+    calls = [op for op in graph.get_operations() if op.type in ("If", "StatelessIf")
+             and not op.get_attr("_lower_using_switch_merge")]
+    assert len(calls) == 1, [op.name for op in calls]
+    sims = [PowerSGDKernelSimulation(spec, name, WORLD) for name in names]
+    rng = np.random.default_rng(3)
+    for i, on in enumerate([False, True, False, True]):
+        reducer.enabled.assign(on)
+        grads = [[rng.standard_normal(s).astype(np.float32) for _ in range(WORLD)]
+                 for s in shapes]
+        got = step([tf.constant(gs[RANK]) for gs in grads])
+        for g, sim, gs in zip(got, sims, grads):
+            want = sim(gs) if on else sim.off(gs)
+            assert same_bits(g.numpy(), want), f"step {i} ({'on' if on else 'off'})"
+
+
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "function"])
 def test_powersgd_factors_a_conv_kernel_in_either_layout(graph):
     """The torch test's case: a Keras (H, W, I, O) kernel is compressed as (H*W*I) x O, as a
