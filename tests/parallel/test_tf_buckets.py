@@ -17,6 +17,7 @@ import bucket_oracle
 from bucket_oracle import BUCKET_MB, SHAPES
 from helpers import ranks_marker, same_bits
 from simulation import Simulation
+from tf_arms import traced_arms
 import hvd_compress as hc
 import hvd_compress.tensorflow as hvdc_tf
 import hvd_compress.tensorflow.keras as hvdc_keras
@@ -346,27 +347,10 @@ def test_traced_uncompressed_buckets_wait_for_no_other_bucket_nor_walk_its_compr
     assert any(m.n < np.prod(SHAPES[m.name]) for b in oracle.layout for m in b.members), \
         "the layout cuts no parameter between buckets"
     model = Model(spec, graph=True)
-    sending, real = set(), hvd.allreduce
-
-    def allreduce(tensor, *args, name=None, **kwargs):
-        if name.endswith(".plain"):
-            sending.add(tf.compat.v1.get_default_graph().name)
-        return real(tensor, *args, name=name, **kwargs)
-    monkeypatch.setattr(hvd, "allreduce", allreduce)
-    graph = model.step.get_concrete_function(
-        [tf.TensorSpec(shape) for shape in SHAPES.values()]).graph
-    conds = [op for op in graph.get_operations() if op.type in ("If", "StatelessIf")
-             and op.get_attr("else_branch").name in sending]
+    conds, calls = traced_arms(model.step, [tf.TensorSpec(shape) for shape in SHAPES.values()],
+                               ".plain", monkeypatch)
     # a bucket holding only pieces of a parameter sent whole elsewhere sends nothing
-    assert len(conds) == len(sending) > 1, (len(conds), sending)
-    for op in conds:
-        assert op.type == "StatelessIf" and not op.control_inputs, \
-            (op.name, op.type, [c.name for c in op.control_inputs])
-        assert op.get_attr("_lower_using_switch_merge"), op.name  # each member as it arrives
-    # A compressing branch is kept as one If op, run only when taken: lowered to switches, its
-    # thousands of ops were walked as dead in every uncompressed step.
-    calls = [op for op in graph.get_operations() if op.type in ("If", "StatelessIf")
-             and not op.get_attr("_lower_using_switch_merge")]
+    assert len(conds) > 1, [op.name for op in conds]
     assert len(calls) == len(oracle.layout), [op.name for op in calls]
     model.reducer.enabled.assign(False)
     grads = bucket_oracle.step_grads(0, WORLD)
@@ -380,26 +364,11 @@ def test_traced_uncompressed_tensors_without_buckets_skip_their_compression(spec
     uncompressed cond touches no state, so it waits for no other gradient's compressing cond;
     the compressing one is kept as one If op, not walked as dead in each uncompressed step."""
     model = Model(spec, bucket_mb=0, graph=True)
-    sending, real = set(), hvd.allreduce
-
-    def allreduce(tensor, *args, name=None, **kwargs):
-        if name.endswith(".plain"):
-            sending.add(tf.compat.v1.get_default_graph().name)
-        return real(tensor, *args, name=name, **kwargs)
-    monkeypatch.setattr(hvd, "allreduce", allreduce)
-    graph = model.step.get_concrete_function(
-        [tf.TensorSpec(shape) for shape in SHAPES.values()]).graph
+    conds, calls = traced_arms(model.step, [tf.TensorSpec(shape) for shape in SHAPES.values()],
+                               ".plain", monkeypatch)
     min_dim = hc.parse_spec(spec).info.min_dim
     compressed = [n for n, shape in SHAPES.items() if len(shape) >= min_dim]
-    conds = [op for op in graph.get_operations() if op.type in ("If", "StatelessIf")
-             and op.get_attr("else_branch").name in sending]
-    assert len(conds) == len(sending) == len(compressed), (len(conds), sending, compressed)
-    for op in conds:
-        assert op.type == "StatelessIf" and not op.control_inputs, \
-            (op.name, op.type, [c.name for c in op.control_inputs])
-        assert op.get_attr("_lower_using_switch_merge"), op.name
-    calls = [op for op in graph.get_operations() if op.type in ("If", "StatelessIf")
-             and not op.get_attr("_lower_using_switch_merge")]
+    assert len(conds) == len(compressed), ([op.name for op in conds], compressed)
     assert len(calls) == len(compressed), [op.name for op in calls]
     # Both arms still give what each gradient simulated alone gives, state carried across.
     sims = {name: Simulation(spec, int(np.prod(shape)), "float32", WORLD, name=name,

@@ -18,6 +18,7 @@ from helpers import (codec_strategies, join_specs, owner_sums_rounded_to, same_b
                      tensorboard_scalars, two_rank_marker)
 from simulation import (BPPS_SHAPE, BPPS_SPECS, PowerSGDKernelSimulation, Simulation,
                         bpps_pass_grads, bpps_weights, grads_for_step)
+from tf_arms import traced_arms
 import hvd_compress as hc
 import hvd_compress.tensorflow as hvdt
 import hvd_compress.tensorflow.keras as hvdk
@@ -332,24 +333,8 @@ def test_traced_uncompressed_powersgd_steps_wait_for_no_state_nor_walk_its_compr
     names = [f"psgd_call{i}" for i in range(len(shapes))]
     reducer = hvdt.Reducer(hc.parse_spec(spec), 0, hvd.Average, hvd.global_process_set)
     step = tf.function(lambda gs: reducer.reduce(gs, variables, names))
-    sending, real = set(), hvd.allreduce
-
-    def allreduce(tensor, *args, name=None, **kwargs):
-        if name.endswith(".off"):
-            sending.add(tf.compat.v1.get_default_graph().name)
-        return real(tensor, *args, name=name, **kwargs)
-    monkeypatch.setattr(hvd, "allreduce", allreduce)
-    graph = step.get_concrete_function([tf.TensorSpec(s) for s in shapes]).graph
-    monkeypatch.setattr(hvd, "allreduce", real)
-    conds = [op for op in graph.get_operations() if op.type in ("If", "StatelessIf")
-             and op.get_attr("else_branch").name in sending]
-    assert len(conds) == len(sending) == 1, ([op.name for op in conds], sending)
-    assert conds[0].type == "StatelessIf" and not conds[0].control_inputs, \
-        (conds[0].type, [c.name for c in conds[0].control_inputs])
-    assert conds[0].get_attr("_lower_using_switch_merge")
-    calls = [op for op in graph.get_operations() if op.type in ("If", "StatelessIf")
-             and not op.get_attr("_lower_using_switch_merge")]
-    assert len(calls) == 1, [op.name for op in calls]
+    conds, calls = traced_arms(step, [tf.TensorSpec(s) for s in shapes], ".off", monkeypatch)
+    assert len(conds) == 1 and len(calls) == 1, ([op.name for op in conds + calls])
     sims = [PowerSGDKernelSimulation(spec, name, WORLD) for name in names]
     rng = np.random.default_rng(3)
     for i, on in enumerate([False, True, False, True]):
