@@ -4,10 +4,11 @@ import horovod.tensorflow as hvd
 import tensorflow as tf
 
 
-def traced_arms(step, inputs, suffix: str, monkeypatch) -> tuple[list, list]:
+def traced_arms(step, inputs, suffix: str, monkeypatch) -> tuple[list, list, list]:
     """The conds of `step` (a tf.function of `inputs`, TensorSpecs) whose else branch sends an
     allreduce named *`suffix` (the uncompressed arms), each checked to touch no state and stay
-    lowered, and the conds kept as calls (the compressing arms, run only when taken).
+    lowered; the conds kept as calls, run only when taken: the compressing arms, and apart
+    the finite check of the state they wrote (Reducer._end_step).
 
     An uncompressed cond that writes no variable is a StatelessIf with no control inputs: it
     waits for no other gradient's compressing cond, where TF runs a cond that writes a variable
@@ -31,4 +32,5 @@ def traced_arms(step, inputs, suffix: str, monkeypatch) -> tuple[list, list]:
     # Lowered to switches, a compressing branch's thousands of ops were walked as dead in
     # every uncompressed step.
     calls = [op for op in ifs if not op.get_attr("_lower_using_switch_merge")]
-    return conds, calls
+    checks = [op for op in calls if "finite_check/" in op.name]
+    return conds, [op for op in calls if op not in checks], checks

@@ -21,6 +21,7 @@ from tf_arms import traced_arms
 import hvd_compress as hc
 import hvd_compress.tensorflow as hvdc_tf
 import hvd_compress.tensorflow.keras as hvdc_keras
+from hvd_compress.spec import spec_momentum
 
 hvd.init()
 WORLD, RANK = hvd.size(), hvd.rank()
@@ -347,8 +348,11 @@ def test_traced_uncompressed_buckets_wait_for_no_other_bucket_nor_walk_its_compr
     assert any(m.n < np.prod(SHAPES[m.name]) for b in oracle.layout for m in b.members), \
         "the layout cuts no parameter between buckets"
     model = Model(spec, graph=True)
-    conds, calls = traced_arms(model.step, [tf.TensorSpec(shape) for shape in SHAPES.values()],
+    conds, calls, checks = traced_arms(model.step, [tf.TensorSpec(shape) for shape in SHAPES.values()],
                                ".plain", monkeypatch)
+    # The finite check guards state only a compressing arm wrote, so it is a call too, unless
+    # the spec's momentum moves in every step
+    assert len(checks) == (spec_momentum(hc.parse_spec(spec)) is None), [op.name for op in checks]
     # a bucket holding only pieces of a parameter sent whole elsewhere sends nothing
     assert len(conds) > 1, [op.name for op in conds]
     assert len(calls) == len(oracle.layout), [op.name for op in calls]
@@ -364,8 +368,11 @@ def test_traced_uncompressed_tensors_without_buckets_skip_their_compression(spec
     uncompressed cond touches no state, so it waits for no other gradient's compressing cond;
     the compressing one is kept as one If op, not walked as dead in each uncompressed step."""
     model = Model(spec, bucket_mb=0, graph=True)
-    conds, calls = traced_arms(model.step, [tf.TensorSpec(shape) for shape in SHAPES.values()],
+    conds, calls, checks = traced_arms(model.step, [tf.TensorSpec(shape) for shape in SHAPES.values()],
                                ".plain", monkeypatch)
+    # The finite check guards state only a compressing arm wrote, so it is a call too, unless
+    # the spec's momentum moves in every step
+    assert len(checks) == (spec_momentum(hc.parse_spec(spec)) is None), [op.name for op in checks]
     min_dim = hc.parse_spec(spec).info.min_dim
     compressed = [n for n, shape in SHAPES.items() if len(shape) >= min_dim]
     assert len(conds) == len(compressed), ([op.name for op in conds], compressed)
