@@ -452,20 +452,16 @@ class Reducer:
                               _ring_allreduce_bytes(sent, self.process_set.size()))
 
         # CompressionScheduleCallback flips `enabled`, and hvd.join() leaves ranks out of the
-        # step; every rank takes the same branch. The arms in conds of their own, as
-        # _reduce_one's: the uncompressed steps do not walk PowerSGD's ops as dead.
+        # step; every rank takes the same branch.
         def compressed():
             moved = [(name, opname, self.codec.plain_momentum(name, grad) if taken else grad)
                      for name, opname, grad in items]
             return self._by_name(self.powersgd.reduce(moved, self._plain, record), moved)
 
-        active = tf.logical_and(self.enabled, self._no_rank_joined())
-        done = tf.cond(active, compressed,
-                       lambda: [tf.zeros([0], grad.dtype) for _, _, grad in items])
-        _run_as_a_call(done)
-        reduced = tf.cond(
-            active, lambda: done,
-            lambda: [self._plain(g, opname + ".off") for (_, opname, _), g in zip(items, off)])
+        reduced = _either_arm(
+            tf.logical_and(self.enabled, self._no_rank_joined()), compressed,
+            lambda: [self._plain(g, opname + ".off") for (_, opname, _), g in zip(items, off)],
+            [grad.dtype for _, _, grad in items])
         reduced = [tf.reshape(g, tf.shape(grad)) for g, (_, _, grad) in zip(reduced, items)]
         position = {name: i for i, name in enumerate(names)}
         for (name, _, _), g in zip(items, reduced):
@@ -603,11 +599,8 @@ class Reducer:
         # earlier op that uses it, and a member cut between buckets has its residual written in
         # both buckets' compressing branches. One cond for both arms made each bucket's
         # uncompressed allreduces wait until the previous bucket's had completed.
-        active = tf.logical_and(self.enabled, self._no_rank_joined())
-        done = tf.cond(active, compressed,
-                       lambda: [tf.zeros([0], dense[m.name].dtype) for m in present])
-        _run_as_a_call(done)
-        return tf.cond(active, lambda: done, plain)
+        return _either_arm(tf.logical_and(self.enabled, self._no_rank_joined()), compressed,
+                           plain, [dense[m.name].dtype for m in present])
 
     def _reduce_one(self, grad, name: str):
         """A gradient alone: compressed, or (compression off, a rank joined) Horovod's."""
@@ -618,14 +611,11 @@ class Reducer:
             return self._plain(self._plain_momentum(grad, name), opname)
         off = self._plain_momentum(grad, name, off_only=True)
         # CompressionScheduleCallback flips `enabled`, and hvd.join() leaves ranks out of the
-        # step; every rank takes the same branch. Each arm in a cond of its own, as a bucket's
-        # (_reduce_bucket): the uncompressed one waits for nothing that writes state.
-        active = tf.logical_and(self.enabled, self._no_rank_joined())
-        done = tf.cond(active, lambda: self._compressed(grad, name, opname),
-                       lambda: tf.zeros([0], grad.dtype))
-        _run_as_a_call([done])
-        return tf.reshape(tf.cond(active, lambda: done,
-                                  lambda: self._plain(off, opname + ".plain")), tf.shape(grad))
+        # step; every rank takes the same branch.
+        reduced = _either_arm(tf.logical_and(self.enabled, self._no_rank_joined()),
+                              lambda: [self._compressed(grad, name, opname)],
+                              lambda: [self._plain(off, opname + ".plain")], [grad.dtype])
+        return tf.reshape(reduced[0], tf.shape(grad))
 
     def _compressed(self, grad, name: str, opname: str, step=None, members: tuple = ()):
         """`members`: a bucket's, as collectives.Job takes them; empty for a gradient alone.
@@ -739,6 +729,16 @@ class Reducer:
 
 
 _node_sets: dict[tuple, object] = {}
+
+
+def _either_arm(active, compressed, plain, dtypes: list) -> list:
+    """compressed() where `active`, else plain(): lists of tensors of `dtypes`. Each arm in a
+    cond of its own (_reduce_bucket says why): the compressing one run as a call, the
+    uncompressed one lowered, touching no state, so that each tensor goes to Horovod as soon
+    as it is ready. Where compressing, the second cond passes the first's results on."""
+    done = tf.cond(active, compressed, lambda: [tf.zeros([0], d) for d in dtypes])
+    _run_as_a_call(done)
+    return tf.cond(active, lambda: done, plain)
 
 
 def _run_as_a_call(outputs: list) -> None:
