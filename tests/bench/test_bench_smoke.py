@@ -107,6 +107,23 @@ def test_scaling_quick(tmp_path):
     assert "Cost model, not measurement" in proc.stdout
 
 
+def test_reduction_quick(tmp_path):
+    specs = ["onebit,ef=vanilla", "dgc,k=0.01"]
+    proc = run("reduction.py", "--model", "mlp", "--specs", ";".join(specs), "--rounds", "2",
+               "--out", str(tmp_path))
+    data, rows = outputs(tmp_path, "reduction")
+    assert [r["row"] for r in rows] == ["horovod, no compression"] + specs
+    assert all(float(r["median_ms"]) > 0 for r in rows)
+    assert data["settings"]["arm"] == "off" and data["settings"]["rounds"] == 2
+    assert "| horovod, no compression" in proc.stdout
+
+
+def test_reduction_refuses_a_spec_it_cannot_parse():
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "reduction.py"), "--specs",
+                           "onebit;nope"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--specs: 'nope'" in proc.stderr, proc.stderr
+
+
 def network_unavailable():
     if os.geteuid() != 0:
         return "bench/network.py needs root"
