@@ -235,7 +235,10 @@ def test_network_paired_measures_our_rows_against_a_baseline_beside_them(tmp_pat
     for r in data["rows"]:
         assert (r["paired_base_ms"] is not None) == (r["row"] in ours or r is twin), r["row"]
     assert twin["speedup"] == pytest.approx(twin["paired_base_ms"] / twin["ms_per_step"])
-    assert twin["bytes_per_step"] > 1_000_000  # float32, as the copy beside it sends
+    # float32, as the copy beside it sends: about twice Horovod's fp16 row. (An absolute floor
+    # of 1 MB failed at 981,419 bytes, Horovod's own row sending 1,051,759 in the same run.)
+    fp16 = {r["row"]: r for r in data["rows"]}["horovod fp16"]
+    assert twin["bytes_per_step"] > 1.5 * fp16["bytes_per_step"]
     for r in ours.values():
         assert r["paired_base_ms"] > 0
         assert r["speedup"] == pytest.approx(r["paired_base_ms"] / r["ms_per_step"])
