@@ -48,6 +48,7 @@ def variables(tf, model: str):
 
 
 def bound(reduce, vs):
+    # a closure per row: a lambda in the worker's loop would call the last row's reduce
     return lambda gs: reduce(gs, vs)
 
 
