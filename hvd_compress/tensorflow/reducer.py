@@ -407,14 +407,12 @@ class Reducer:
                                    process_set=ps)
         return received
 
-    def _kept_plain(self, grad, name: str, bucket: bool = False) -> bool:
-        """Whether the gradient travels uncompressed whatever the codec (recorded so). A
-        bucket's members had their dimensions checked, not the flat bucket."""
+    def _kept_plain(self, grad, name: str) -> bool:
+        """Whether the gradient travels uncompressed whatever the codec (recorded so)."""
         nbytes = (grad.shape.num_elements() or 0) * grad.dtype.size
         if (isinstance(grad, tf.IndexedSlices) or self.config.codec == "none"
                 or grad.dtype not in DTYPE_NAMES or grad.shape.num_elements() is None
-                or nbytes < self.min_bytes
-                or (not bucket and grad.shape.rank < self.codec.info.min_dim)):
+                or nbytes < self.min_bytes or grad.shape.rank < self.codec.info.min_dim):
             if not isinstance(grad, tf.IndexedSlices):
                 self._record_plain(name, grad)
             return True
@@ -496,21 +494,17 @@ class Reducer:
         steps = self._member_steps([n for n in dense if n in inside])
         off = ({n: self._plain_momentum(g, n, off_only=True) for n, g in dense.items()
                 if n in inside} if spec_momentum(self.config) is not None else None)
-        plan = []  # (bucket name, its members present in this step, whether it is kept plain)
-        for bucket in layout:
-            present = [m for m in bucket.members if m.name in dense]
-            if present:
-                name = bucket.named(present)
-                kept = self._kept_plain(tf.TensorSpec([sum(m.n for m in present)],
-                                                      dense[present[0].name].dtype),
-                                        name, bucket=True)
-                plan.append((name, present, kept))
+        # (bucket name, its members present in this step). A bucket that some members miss
+        # is compressed without them, however small, as the torch frontend sends it: the
+        # layout kept it for its full size, and sent plain it would need momentum of its own.
+        plan = [(bucket.named(present), present) for bucket in layout
+                for present in [[m for m in bucket.members if m.name in dense]] if present]
         whole = self._sent_whole(plan)
         pieces: dict[str, list] = {}
-        for name, present, kept in plan:
+        for name, present in plan:
             self.codec.view(name, [(m.name, dense[m.name], m.start, m.stop) for m in present])
             reduced = self._reduce_bucket(name, present, dense, off or dense,
-                                          steps.get(present[0].name), kept, whole)
+                                          steps.get(present[0].name), whole)
             for m, piece in zip(present, reduced):
                 pieces.setdefault(m.name, []).append(piece)
         out = []
@@ -533,11 +527,10 @@ class Reducer:
         five tensors over 4 MiB (11M of its 25.6M elements) would be sliced and joined again
         in every uncompressed step."""
         holders: dict[str, list] = {}
-        for name, present, kept in plan:
+        for name, present in plan:
             for m in present:
-                holders.setdefault(m.name, []).append((name, kept))
-        return {param: held[-1][0] for param, held in holders.items()
-                if len(held) > 1 and not any(kept for _, kept in held)}
+                holders.setdefault(m.name, []).append(name)
+        return {param: held[-1] for param, held in holders.items() if len(held) > 1}
 
     def _counted(self) -> bool:
         """Only codecs that read the step keep a counter variable: seeded ones (and the
@@ -561,7 +554,7 @@ class Reducer:
         return dict(zip(names, steps))
 
     def _reduce_bucket(self, name: str, present: list, dense: dict, off: dict, step,
-                       kept: bool, whole: dict) -> list:
+                       whole: dict) -> list:
         """A bucket's members reduced, each as a flat piece. Compressed, the bucket travels as
         one tensor. While compression is off, each member (`off`: with the spec's momentum) goes
         to Horovod's allreduce as it is, for Horovod to fuse, as its own optimizer sends them,
@@ -574,14 +567,11 @@ class Reducer:
         opname = "hvdc." + _OP_NAME.sub("_", name)
         sizes = [m.n for m in present]
 
-        def cat(grads):
-            return concat_pieces([flat_range(grads[m.name], m.start, m.stop) for m in present])
-        if kept:
-            return split_pieces(self._plain(self._plain_momentum(cat(dense), name), opname), sizes)
         members = tuple((m.name, m.n) for m in present)
 
         def compressed():
-            return split_pieces(self._compressed(cat(dense), name, opname, step, members), sizes)
+            flat = concat_pieces([flat_range(dense[m.name], m.start, m.stop) for m in present])
+            return split_pieces(self._compressed(flat, name, opname, step, members), sizes)
 
         def plain():
             out = []

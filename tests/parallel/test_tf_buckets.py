@@ -21,6 +21,7 @@ from tf_arms import traced_arms
 import hvd_compress as hc
 import hvd_compress.tensorflow as hvdc_tf
 import hvd_compress.tensorflow.keras as hvdc_keras
+from hvd_compress import buckets
 from hvd_compress.spec import spec_momentum
 
 hvd.init()
@@ -77,6 +78,28 @@ def test_spec_momentum_goes_on_while_compression_is_off(graph):
         grads = bucket_oracle.step_grads(step, WORLD)
         oracle.check(model.reduce(grads), oracle(grads, compressing=on), f"step {step}")
     assert [m for sim in oracle.sims.values() for m in sim.m if m.any()]  # momentum was kept
+
+
+def test_a_bucket_without_some_gradients_is_compressed_without_them():
+    """As in the torch frontend: a step in which no rank has a gradient for "w" sends the
+    shared bucket compressed without it, though the rest (307 elements) is under
+    min_compress_bytes, which the layout weighed on the full bucket (1507); the spec's
+    momentum stays in the members' own slots, none under the bucket's name."""
+    spec = "topk,k=0.05,ef=vanilla,momentum=nesterov"
+    model = Model(spec, min_compress_bytes=1000 * 4)
+    g = bucket_oracle.step_grads(0, WORLD)
+    got = model.step([None if name == "w" else tf.constant(g[name][RANK]) for name in SHAPES])
+    got = dict(zip(SHAPES, got))
+    members = [buckets.Member("bias", 0, 7), buckets.Member("v", 0, 300)]
+    sim = Simulation(spec, 307, "float32", WORLD,
+                     name=buckets.Bucket(3, (), "float32").named(members))
+    want = sim([np.concatenate([g["bias"][r], g["v"][r]]) for r in range(WORLD)])
+    assert same_bits(got["bias"].numpy(), want[:7])
+    assert same_bits(got["v"].numpy(), want[7:])
+    assert got["w"] is None
+    slots = model.reducer.state_dict()["slots"]
+    assert set(slots) == {"bias", "v", "emb"}, sorted(slots)
+    assert same_bits(slots["v"]["momentum"], sim.m[RANK][7:])
 
 
 @pytest.mark.parametrize("spec", ["onebit,ef=vanilla", "topk,k=0.05,ef=vanilla,momentum=nesterov",
