@@ -258,6 +258,12 @@ def test_a_traced_step_checks_finiteness_only_where_its_state_can_change(spec):
     graph = model.step.get_concrete_function(
         [tf.TensorSpec(shape) for shape in SHAPES.values()]).graph
     assert ("IsFinite" in {op.type for op in graph.get_operations()}) == ("momentum" in spec)
+    if "momentum" not in spec:
+        # The check, a call, takes each compressing arm's verdict, not the reduced gradients:
+        # it would hold every one of them until the step's last was reduced.
+        check, = [op for op in graph.get_operations()
+                  if op.type == "If" and "finite_check" in op.name]
+        assert not [t for t in check.inputs if t.dtype.is_floating], list(check.inputs)
     model.reduce(bucket_oracle.step_grads(0, WORLD))
     before = model.reducer.state_dict()
     bad = bucket_oracle.step_grads(1, WORLD)
