@@ -139,6 +139,7 @@ bench: $(STAMP)
 	$(PY) bench/scaling.py
 	$(PY) bench/tensors.py --bucket-mb 4
 	$(PY) bench/reduction.py
+	$(PY) bench/reduction.py --whole-step --rounds 24
 	$(PY) bench/network.py
 	$(PY) bench/network.py --layout 2x2
 	$(PY) bench/network.py --model resnet50 --bucket-mb 4

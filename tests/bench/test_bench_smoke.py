@@ -118,6 +118,18 @@ def test_reduction_quick(tmp_path):
     assert "| horovod, no compression" in proc.stdout
 
 
+def test_reduction_whole_step_quick(tmp_path):
+    specs = ["efsignsgd", "topk,k=0.01,ef=vanilla"]
+    proc = run("reduction.py", "--whole-step", "--model", "mlp", "--specs", ";".join(specs),
+               "--rounds", "2", "--out", str(tmp_path))
+    data, rows = outputs(tmp_path, "reduction_step")
+    assert [r["row"] for r in rows] == ["hvd.allreduce per tensor", "the same again"] + specs
+    assert [r["arm"] for r in rows] == ["-", "-", "off", "off"]
+    assert all(float(r["median_ms"]) > 0 for r in rows) and float(rows[0]["vs_horovod"]) == 1
+    assert data["settings"]["ranks"] == 1 and data["settings"]["whole_step"] is True
+    assert " the same again |" in proc.stdout
+
+
 def test_reduction_refuses_a_spec_it_cannot_parse():
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "reduction.py"), "--specs",
                            "onebit;nope"], capture_output=True, text=True, timeout=120)
