@@ -98,7 +98,9 @@ def test_a_bucket_without_some_gradients_is_compressed_without_them():
     assert same_bits(got["v"].numpy(), want[7:])
     assert got["w"] is None
     slots = model.reducer.state_dict()["slots"]
-    assert set(slots) == {"bias", "v", "emb"}, sorted(slots)
+    # From 3 ranks on, the compressed allreduce's chunk owners keep residuals under the
+    # bucket's name; the momentum is the members' own.
+    assert not [n for n, kinds in slots.items() if n not in SHAPES and "momentum" in kinds]
     assert same_bits(slots["v"]["momentum"], sim.m[RANK][7:])
 
 
