@@ -206,5 +206,6 @@ def main():
     fig.tight_layout()
     fig.savefig(os.path.join(args.out, f"{name}.png"), dpi=110)
 
+
 if __name__ == "__main__":
     main()
