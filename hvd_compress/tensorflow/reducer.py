@@ -636,7 +636,7 @@ class Reducer:
         step whose state moves in uncompressed steps too (the spec's momentum, a loss scale),
         so that the step's check is made in each step. Checked over the reduced gradients
         instead, the check held all of them until backward's last one had been reduced (DGC's
-        arm on Keras' ResNet-50, one rank: 1.18x Horovod's step)."""
+        arm on Keras' ResNet-50, one rank: 1.25x Horovod's step, 1.22x without)."""
         return not tf.executing_eagerly() and (spec_momentum(self.config) is not None
                                                or self._loss_scale is not None)
 
