@@ -65,19 +65,37 @@ def test_buckets_equal_the_simulated_bucket(spec, graph):
 
 @pytest.mark.parametrize("graph", [False, True] if WORLD == 2 else [True],
                          ids=["eager", "tf.function"] if WORLD == 2 else ["tf.function"])
-def test_spec_momentum_goes_on_while_compression_is_off(graph):
+@pytest.mark.parametrize("spec", ["topk,k=0.05,ef=vanilla,momentum=nesterov", "dgc,k=0.05"])
+def test_spec_momentum_goes_on_while_compression_is_off(spec, graph):
     """Under a spec's momentum the optimizer's own is 0, so the steps that
     CompressionScheduleCallback keeps uncompressed (`enabled` off) give each bucket's members
-    the spec's momentum before Horovod's allreduce, and compression starts from it."""
-    spec = "topk,k=0.05,ef=vanilla,momentum=nesterov"
+    the spec's momentum before Horovod's allreduce, and compression starts from it. Such a
+    step that is not finite moves no momentum: the momentum is written only once the step
+    proved finite, and the steps after it go on from the state before it."""
     model = Model(spec, graph=graph)
     oracle = bucket_oracle.BucketOracle(spec, WORLD)
-    for step in range(4):
-        on = step >= 2
-        model.reducer.enabled.assign(on)
+    for step, on in enumerate([False, False, None, True, False, None, False, True]):
         grads = bucket_oracle.step_grads(step, WORLD)
+        if on is None:  # uncompressed, NaN in one rank's gradient of each parameter
+            model.reducer.enabled.assign(False)
+            before = model.reducer.state_dict()
+            for gs in grads.values():
+                gs[WORLD - 1].flat[0] = np.nan
+            got = model.reduce(grads)
+            assert all(np.isnan(g.flat[0]) for g in got.values())
+            after = model.reducer.state_dict()
+            assert after["steps"] == before["steps"]
+            assert after["slots"].keys() == before["slots"].keys()
+            for name, kinds in before["slots"].items():
+                assert kinds.keys() == after["slots"][name].keys()
+                for kind, arr in kinds.items():
+                    assert same_bits(after["slots"][name][kind], arr), (step, name, kind)
+            continue
+        model.reducer.enabled.assign(on)
         oracle.check(model.reduce(grads), oracle(grads, compressing=on), f"step {step}")
-    assert [m for sim in oracle.sims.values() for m in sim.m if m.any()]  # momentum was kept
+    kind = spec_momentum(hc.parse_spec(spec))[2]
+    kept = model.reducer.state_dict()["slots"]
+    assert all(kept[name][kind].any() for name in SHAPES)  # every parameter's momentum moved
 
 
 def test_a_bucket_without_some_gradients_is_compressed_without_them():
