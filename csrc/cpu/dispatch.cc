@@ -384,6 +384,20 @@ void nesterov(DType d, void* x, void* m, int64_t n, double mu) {
   });
 }
 
+void heavy_ball(DType d, const void* x, const void* m, void* out, int64_t n, double factor) {
+  if (n < 0) throw KernelError("element count must be >= 0, got " + std::to_string(n));
+  dispatch_dtype(d, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    using A = typename Acc<T>::type;
+    const T* xs = static_cast<const T*>(x);
+    const T* ms = static_cast<const T*>(m);
+    T* os = static_cast<T*>(out);
+    const A f = static_cast<A>(factor);
+    for (int64_t i = 0; i < n; ++i)
+      os[i] = from_acc<T>(to_acc(from_acc<T>(f * to_acc(ms[i]))) + to_acc(xs[i]));
+  });
+}
+
 bool cpu_has_avx2_f16c() {
   static const bool has = [] {
     if (const char* env = std::getenv("HVDC_FORCE_SCALAR"); env && env[0] == '1') return false;

@@ -127,6 +127,15 @@ template <class T> __global__ void nesterov_k(T* x, T* m, int64_t n, double mu) 
   }
 }
 
+template <class T>
+__global__ void heavy_ball_k(const T* x, const T* m, T* out, int64_t n, double factor) {
+  using A = typename Acc<T>::type;
+  const A f = static_cast<A>(factor);
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x)
+    out[i] = from_acc<T>(to_acc(from_acc<T>(f * to_acc(m[i]))) + to_acc(x[i]));
+}
+
 bool aligned16(const void* a, const void* b) {
   return ((reinterpret_cast<uintptr_t>(a) | reinterpret_cast<uintptr_t>(b)) & 15) == 0;
 }
@@ -296,6 +305,17 @@ void nesterov(DType d, void* x, void* m, int64_t n, double mu, cudaStream_t s) {
     nesterov_k<T><<<blocks_for(n), kThreads, 0, s>>>(static_cast<T*>(x), static_cast<T*>(m), n, mu);
   });
   check_launch("nesterov");
+}
+
+void heavy_ball(DType d, const void* x, const void* m, void* out, int64_t n, double factor,
+                cudaStream_t s) {
+  if (n == 0) return;
+  dispatch_dtype(d, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    heavy_ball_k<T><<<blocks_for(n), kThreads, 0, s>>>(
+        static_cast<const T*>(x), static_cast<const T*>(m), static_cast<T*>(out), n, factor);
+  });
+  check_launch("heavy_ball");
 }
 
 }  // namespace cast

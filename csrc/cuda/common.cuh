@@ -135,6 +135,8 @@ void aggregate_pair(CodecId c, DType d, const void* own, const int32_t* summed, 
                     int64_t n, void* out, double alpha, cudaStream_t s);
 void add_into(DType d, const void* x, const void* e_in, void* e, int64_t n, cudaStream_t s);
 void nesterov(DType d, void* x, void* m, int64_t n, double mu, cudaStream_t s);
+void heavy_ball(DType d, const void* x, const void* m, void* out, int64_t n, double factor,
+                cudaStream_t s);
 }  // namespace cast
 namespace randomk {
 void encode(DType d, const void* x, int64_t n, const Params& p, void* payload, cudaStream_t s);

@@ -267,5 +267,11 @@ void nesterov(DType d, void* x, void* m, int64_t n, double mu, void* stream) {
   cast::nesterov(d, x, m, n, mu, as_stream(stream));
 }
 
+void heavy_ball(DType d, const void* x, const void* m, void* out, int64_t n, double factor,
+                void* stream) {
+  if (n < 0) throw KernelError("element count must be >= 0, got " + std::to_string(n));
+  cast::heavy_ball(d, x, m, out, n, factor, as_stream(stream));
+}
+
 }  // namespace gpu
 }  // namespace hvdc

@@ -39,5 +39,14 @@ void flag_nonfinite(DType d, const void* x, int64_t n, unsigned* flag, void* str
   check_launch("flag_nonfinite");
 }
 
+namespace {
+__global__ void flag_to_finite_kernel(const unsigned* flag, bool* finite) { *finite = *flag == 0; }
+}  // namespace
+
+void flag_to_finite(const unsigned* flag, bool* finite, void* stream) {
+  flag_to_finite_kernel<<<1, 1, 0, as_stream(stream)>>>(flag, finite);
+  check_launch("flag_to_finite");
+}
+
 }  // namespace gpu
 }  // namespace hvdc

@@ -475,6 +475,79 @@ class NesterovOp : public OpKernel {
   }
 };
 
+// The gradient goes into the output's buffer where TF can hand it over: the gradient is read
+// once, and no copy of it is made.
+template <class Launch>
+class HeavyBallOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+  void Compute(OpKernelContext* ctx) override {
+    CodecTimer timer;
+    const Launch launch(ctx);
+    const Tensor &x = ctx->input(0), &m = ctx->input(1);
+    OP_REQUIRES(ctx, x.shape() == m.shape(),
+                tensorflow::errors::InvalidArgument("momentum buffer must match the gradient"));
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({0}, 0, x.shape(), &out));
+    hvdc::DType d;
+    OP_REQUIRES(ctx, to_hvdc(x.dtype(), &d),
+                tensorflow::errors::InvalidArgument("unsupported gradient dtype"));
+    const double factor = ctx->input(2).scalar<double>()();
+    HVDC_TF_TRY(ctx, launch.heavy_ball(d, x.data(), m.data(), out->data(), x.NumElements(),
+                                       factor));
+  }
+};
+
+// Whether every element of every input is finite (hvdc/kernels.h's all_finite): one read of
+// each tensor, where IsFinite and All wrote and read a bool per element.
+class AllFiniteOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+  void Compute(OpKernelContext* ctx) override {
+    bool finite = true;
+    for (int i = 0; i < ctx->num_inputs() && finite; ++i) {
+      const Tensor& x = ctx->input(i);
+      hvdc::DType d;
+      OP_REQUIRES(ctx, to_hvdc(x.dtype(), &d),
+                  tensorflow::errors::InvalidArgument("unsupported gradient dtype"));
+      HVDC_TF_TRY(ctx, finite = hvdc::all_finite(d, x.data(), x.NumElements()));
+    }
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, tensorflow::TensorShape({}), &out));
+    out->scalar<bool>()() = finite;
+  }
+};
+
+#if GOOGLE_CUDA
+// On the device: the inputs' findings ORed into one flag (hvdc/cuda.h), and the verdict left in
+// device memory, so the op does not wait for the GPU.
+class GpuAllFiniteOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+  void Compute(OpKernelContext* ctx) override {
+    void* stream = ctx->eigen_gpu_device().stream();
+    Tensor flag;
+    OP_REQUIRES_OK(ctx, ctx->allocate_temp(tensorflow::DT_UINT32, tensorflow::TensorShape({}),
+                                           &flag));
+    auto* bits = static_cast<unsigned*>(flag.data());
+    const cudaError_t err = cudaMemsetAsync(bits, 0, sizeof(unsigned),
+                                            static_cast<cudaStream_t>(stream));
+    OP_REQUIRES(ctx, err == cudaSuccess,
+                tensorflow::errors::Internal("finite flag: ", cudaGetErrorString(err)));
+    for (int i = 0; i < ctx->num_inputs(); ++i) {
+      const Tensor& x = ctx->input(i);
+      hvdc::DType d;
+      OP_REQUIRES(ctx, to_hvdc(x.dtype(), &d),
+                  tensorflow::errors::InvalidArgument("unsupported gradient dtype"));
+      HVDC_TF_TRY(ctx, hvdc::gpu::flag_nonfinite(d, x.data(), x.NumElements(), bits, stream));
+    }
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, tensorflow::TensorShape({}), &out));
+    HVDC_TF_TRY(ctx, hvdc::gpu::flag_to_finite(bits, out->flat<bool>().data(), stream));
+  }
+};
+#endif
+
 // Homomorphic quantisation (hvdc/kernels.h): per-block max |x|, codes on the agreed scales, and
 // the decode of words that hold `summands` ranks' codes (after Horovod's int32 allreduce).
 class HomoOp : public OpKernel {
@@ -1005,6 +1078,26 @@ REGISTER_OP("HvdcNesterov")
       return tensorflow::OkStatus();
     });
 
+REGISTER_OP("HvdcHeavyBall")
+    .Input("x: T")
+    .Input("m: T")
+    .Input("factor: float64")
+    .Output("out: T")
+    .Attr("T: {float, half, bfloat16, double}")
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->input(0));
+      return tensorflow::OkStatus();
+    });
+
+REGISTER_OP("HvdcAllFinite")
+    .Input("xs: T")
+    .Output("finite: bool")
+    .Attr("T: list({float, half, bfloat16, double}) >= 1")
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->Scalar());
+      return tensorflow::OkStatus();
+    });
+
 REGISTER_OP("HvdcHomoBlockAbsmax")
     .Input("x: T")
     .Output("absmax: float")
@@ -1153,6 +1246,8 @@ HVDC_TF_CPU("HvdcEfEncode", EfEncodeOp<CpuLaunch>);
 HVDC_TF_CPU("HvdcEncodeWithState", EncodeWithStateOp<CpuLaunch>);
 HVDC_TF_CPU("HvdcEfSettle", EfSettleOp<CpuLaunch>);
 HVDC_TF_CPU("HvdcNesterov", NesterovOp<CpuLaunch>);
+HVDC_TF_CPU("HvdcHeavyBall", HeavyBallOp<CpuLaunch>);
+HVDC_TF_CPU("HvdcAllFinite", AllFiniteOp);
 HVDC_TF_CPU("HvdcPowersgdProject", PowerSGDProjectOp<CpuLaunch>);
 HVDC_TF_CPU("HvdcPowersgdOrthogonalize", PowerSGDOrthogonalizeOp<CpuLaunch>);
 HVDC_TF_CPU("HvdcPowersgdBackProject", PowerSGDBackProjectOp<CpuLaunch>);
@@ -1186,6 +1281,9 @@ REGISTER_KERNEL_BUILDER(HVDC_TF_GPU("HvdcEncodeWithState").HostMemory("step"),
                         EncodeWithStateOp<GpuLaunch>);
 REGISTER_KERNEL_BUILDER(HVDC_TF_GPU("HvdcEfSettle"), EfSettleOp<GpuLaunch>);
 REGISTER_KERNEL_BUILDER(HVDC_TF_GPU("HvdcNesterov").HostMemory("mu"), NesterovOp<GpuLaunch>);
+REGISTER_KERNEL_BUILDER(HVDC_TF_GPU("HvdcHeavyBall").HostMemory("factor"),
+                        HeavyBallOp<GpuLaunch>);
+REGISTER_KERNEL_BUILDER(HVDC_TF_GPU("HvdcAllFinite"), GpuAllFiniteOp);
 REGISTER_KERNEL_BUILDER(HVDC_TF_GPU("HvdcPowersgdProject"), PowerSGDProjectOp<GpuLaunch>);
 REGISTER_KERNEL_BUILDER(HVDC_TF_GPU("HvdcPowersgdOrthogonalize").HostMemory("eps"),
                         PowerSGDOrthogonalizeOp<GpuLaunch>);

@@ -519,6 +519,22 @@ void nesterov(at::Tensor& x, at::Tensor& m, double mu) {
   hvdc::nesterov(d, x.data_ptr(), m.data_ptr(), x.numel(), mu);
 }
 
+// out = factor * m + x (hvdc/kernels.h); out may be x or m.
+void heavy_ball(const at::Tensor& x, const at::Tensor& m, at::Tensor& out, double factor) {
+  const Where w = where_of(x, "gradient");
+  HVDC_GUARD(w);
+  check_out(x, x, w, "gradient");
+  check_out(m, x, w, "momentum buffer");
+  check_out(out, x, w, "output");
+  const auto d = dtype_of(x, "gradient");
+#ifdef HVDC_WITH_CUDA
+  if (w.cuda)
+    return hvdc::gpu::heavy_ball(d, x.data_ptr(), m.data_ptr(), out.data_ptr(), x.numel(), factor,
+                                 w.stream);
+#endif
+  hvdc::heavy_ball(d, x.data_ptr(), m.data_ptr(), out.data_ptr(), x.numel(), factor);
+}
+
 // Homomorphic quantisation: scales float32 [homo_blocks], words int32 [homo_words], on the
 // gradient's device.
 void check_scales(const at::Tensor& scales, const Where& w, int64_t n, int64_t block) {
@@ -710,6 +726,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("state"), py::arg("params"), py::arg("payload"), py::arg("state_in") = py::none());
   m.def("state_count", [](int64_t c) { return hvdc::state_count(static_cast<hvdc::CodecId>(c)); });
   m.def("nesterov", &nesterov, G());
+  m.def("heavy_ball", &heavy_ball, G());
   m.def("cpu_isa", &hvdc::cpu_isa);
   m.def("homo_lane_bits", &hvdc::homo_lane_bits, py::arg("levels"), py::arg("lane_ranks"));
   m.def("homo_words", &hvdc::homo_words, py::arg("n"), py::arg("levels"), py::arg("lane_ranks"));

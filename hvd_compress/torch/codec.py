@@ -130,7 +130,7 @@ class TorchCodec:
         if kind == "nesterov":
             _C.nesterov(grad, m, factor)
         else:  # as torch.optim.SGD updates its momentum buffer, rounding for rounding
-            m.mul_(factor).add_(grad)
+            _C.heavy_ball(grad, m, m, factor)
             grad.copy_(m)
 
     def encode(self, name: str, grad: torch.Tensor, *, prescale: float = 1.0) -> Encoded:

@@ -283,6 +283,15 @@ def test_nesterov_equals_cpu(dtype):
     assert_same(mg, m, "nesterov m")
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_heavy_ball_equals_cpu(dtype):
+    x, m = random_grad(100_003, dtype, seed=1), random_grad(100_003, dtype, seed=2)
+    xg, mg = x.to(DEV), m.to(DEV)
+    _C.heavy_ball(x, m, m, 0.9)
+    _C.heavy_ball(xg, mg, mg, 0.9)
+    assert_same(mg, m, "heavy-ball m")
+
+
 def test_stochastic_rounding_is_unbiased_on_the_gpu():
     """E[D(C(x))] = x for dithering: the mean over 400 seeds is within 5 standard errors."""
     n, seeds = 4096, 400

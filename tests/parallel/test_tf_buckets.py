@@ -280,9 +280,10 @@ def test_a_traced_step_checks_finiteness_only_where_its_state_can_change(spec):
     # Each arm says whether its own results are finite, in its branch: the check, reading the
     # gradients, would hold every one of them until the step's last was reduced. Under a
     # spec's momentum the uncompressed arms say it too, as the check is then every step's.
-    assert "IsFinite" not in {op.type for op in graph.get_operations()}
+    checks = {"IsFinite", "HvdcAllFinite"}  # ours, and TF's for other dtypes
+    assert not checks & {op.type for op in graph.get_operations()}
     told = [op for op in graph.get_operations() if op.type in ("If", "StatelessIf")
-            and "IsFinite" in {o.type for o in graph._get_function(
+            and checks & {o.type for o in graph._get_function(
                 op.get_attr("else_branch").name).graph.get_operations()}]
     assert bool(told) == ("momentum" in spec), [op.name for op in told]
     if "momentum" not in spec:

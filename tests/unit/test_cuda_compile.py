@@ -149,7 +149,7 @@ def test_torch_bindings_compile_with_cuda_dispatch(compiles):
 
 
 # Inputs a GPU kernel reads on the host (HostMemory); everything else stays on the device.
-HOST_SCALARS = {"step", "prescale", "alpha", "mu", "eps"}
+HOST_SCALARS = {"step", "prescale", "alpha", "mu", "eps", "factor"}
 # Computed on the host whatever the device: their GPU kernels keep host outputs.
 HOST_OPS = {"HvdcCodecTime": {"nanoseconds"}, "HvdcPowersgdInitialQ": {"step", "qt"}}
 

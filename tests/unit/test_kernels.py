@@ -377,6 +377,17 @@ def test_nesterov_matches_reference(dtype):
     assert same_bits(t2n(x), want_x) and same_bits(t2n(m), want_m)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_heavy_ball_matches_reference(dtype):
+    x, m = random_grad(777, dtype, seed=1), random_grad(777, dtype, seed=2)
+    _, want = ref.heavy_ball(t2n(x), t2n(m), 0.7, dtype)
+    out = torch.empty_like(x)
+    _C.heavy_ball(x, m, out, 0.7)
+    assert same_bits(t2n(out), want)
+    _C.heavy_ball(x, m, x, 0.7)  # in place, on the gradient
+    assert same_bits(t2n(x), want)
+
+
 @pytest.mark.parametrize("n,k", [(200003, 2000), (100000, 1), (50000, 3000), (30, 30), (1, 1)])
 def test_topk_selection_large(n, k):
     """Large tensors take the sampled-threshold path; the result must still be the exact top k."""

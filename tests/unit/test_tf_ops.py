@@ -5,12 +5,13 @@ import pytest
 import tensorflow as tf
 import torch
 
-from helpers import random_grad, same_bits
+from helpers import random_grad, same_bits, t2n
 import numpy_ref as ref
 import hvd_compress as hc
 from hvd_compress.seeds import seed_base
 from hvd_compress.tensorflow import Compression
 from hvd_compress.tensorflow.codec import TFAdapter, TFCodec, _signed64
+from hvd_compress.tensorflow.ops import lib
 from hvd_compress.torch import _C
 from hvd_compress.torch.codec import TorchAdapter, TorchCodec
 
@@ -251,3 +252,30 @@ def test_tf_aggregate_pair_gives_the_torch_kernels_bytes(codec, dtype):
         got = lib.hvdc_aggregate_pair(own, tf.constant(summed), tf.constant(0.5, tf.float64),
                                       T=TF_DTYPES[dtype], n=n, rank=rank, codec=kid)
         assert tf_bytes(got) == torch_bytes(want)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float64"])
+def test_heavy_ball_op_rounds_as_the_reference(dtype):
+    """DGC's momentum on a gradient it leaves uncompressed, in one kernel: m*factor, then
+    + grad, each rounded to the dtype, bit for bit as torch.optim.SGD's buffer."""
+    g, m = random_grad(1003, dtype, seed=1), random_grad(1003, dtype, seed=2)
+    _, want = ref.heavy_ball(t2n(g), t2n(m), 0.7, dtype)  # bfloat16: bits, as TF's bytes
+    got = lib.hvdc_heavy_ball(to_tf(g, dtype), to_tf(m, dtype), tf.constant(0.7, tf.float64))
+    assert tf_bytes(got) == np.asarray(want).tobytes()
+    with pytest.raises(tf.errors.InvalidArgumentError, match="momentum buffer must match"):
+        lib.hvdc_heavy_ball(to_tf(g, dtype), to_tf(m, dtype)[:5], tf.constant(0.7, tf.float64))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float64"])
+def test_all_finite_op_finds_any_inf_or_nan(dtype):
+    """The finite check of a traced step: every position (the vector loop's body, its
+    16 KiB blocks and the scalar tail), inf and NaN, in any of the tensors given."""
+    n = 20011
+    ok = to_tf(random_grad(n, dtype, seed=3), dtype)
+    assert bool(lib.hvdc_all_finite([ok, ok[:7]]))
+    for at in (0, 63, 8191, n - 5, n - 1):
+        for bad in (np.inf, -np.inf, np.nan):
+            hit = tf.tensor_scatter_nd_update(ok, [[at]], tf.constant([bad], ok.dtype))
+            assert not bool(lib.hvdc_all_finite([ok, hit])), (at, bad)
+    big = tf.constant(np.finfo(np.float16).max if dtype == "float16" else 3.0e38, ok.dtype)
+    assert bool(lib.hvdc_all_finite([tf.fill([9], big)]))  # largest finite values pass

@@ -44,10 +44,15 @@ void encode_with_state(CodecId codec, DType dtype, const void* x, const void* co
                        void* const* state, int64_t nstate, int64_t n, const Params& p,
                        void* payload, void* stream);
 void nesterov(DType dtype, void* x, void* m, int64_t n, double mu, void* stream);
+void heavy_ball(DType dtype, const void* x, const void* m, void* out, int64_t n, double factor,
+                void* stream);
 
 // Sets *flag (device memory, unsigned) to nonzero when one of the n elements on the device is
 // inf or NaN (hvdc/kernels.h's all_finite); leaves it alone otherwise. Does not wait.
 void flag_nonfinite(DType dtype, const void* x, int64_t n, unsigned* flag, void* stream);
+// *finite (device memory) = whether *flag is still zero, so that a verdict stays on the device
+// for the ops that read it. Does not wait.
+void flag_to_finite(const unsigned* flag, bool* finite, void* stream);
 
 // Homomorphic quantisation (hvdc/kernels.h), on device pointers: x, scales, words and out
 // all live on the GPU; homo_lane_bits / homo_words / homo_blocks are the CPU library's.

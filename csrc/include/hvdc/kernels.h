@@ -194,6 +194,11 @@ void homo_decode(DType d, const int32_t* words, int64_t n, int64_t block, const 
 // Worker-side Nesterov momentum, in place on x: m = mu * m + x; x = mu * m + x.
 void nesterov(DType dtype, void* x, void* m, int64_t n, double mu);
 
+// Worker-side heavy-ball momentum (DGC's momentum correction), in one pass:
+// out = factor * m + x, the product and the sum each rounded to the element type, as
+// torch.optim.SGD's buffer in its dtype. out may be x or m.
+void heavy_ball(DType dtype, const void* x, const void* m, void* out, int64_t n, double factor);
+
 // Whether none of the n elements is inf or NaN (by their exponent bits; reads x once).
 bool all_finite(DType dtype, const void* x, int64_t n);
 
