@@ -192,7 +192,6 @@ def test_tf_bad_inputs():
 @pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
 def test_powersgd_ops_are_the_torch_kernels(dtype):
     """Every PowerSGD pass as a TF op gives the torch binding's bytes, on a batch of two."""
-    from hvd_compress.tensorflow.ops import lib
     f64 = dtype == "float64"
     ftf, fth = (tf.float64, torch.float64) if f64 else (tf.float32, torch.float32)
     rows, cols, r = 9, 7, 2
@@ -232,7 +231,6 @@ def test_powersgd_ops_are_the_torch_kernels(dtype):
 def test_tf_aggregate_pair_gives_the_torch_kernels_bytes(codec, dtype):
     """The op that reduces two ranks' payloads from their words' sum (hvdc_aggregate_pair)
     returns the torch kernel's bytes on both ranks, for an odd length (half a last word)."""
-    from hvd_compress.tensorflow.ops import lib
     n, kid = 1001, hc.get_codec(codec).kernel_id
     p = _C.Params()
     payloads = []
