@@ -369,7 +369,9 @@ def time_paired(step, base, opts, iface, sync, alternate_warmup=True):
             "bytes_per_step": sent // opts["steps"],
             "cpu_ms_per_step": 1e3 * cpu / opts["steps"],
             "main_cpu_ms_per_step": 1e3 * main / opts["steps"],
-            "paired_base_ms": 1e3 * statistics.median(base_times[opts["warmup"]:])}
+            "paired_base_ms": 1e3 * statistics.median(base_times[opts["warmup"]:]),
+            "steps_ms": [1e3 * t for t in times[opts["warmup"]:]],
+            "base_steps_ms": [1e3 * t for t in base_times[opts["warmup"]:]]}
 
 
 def horovod_worker(args):
@@ -611,6 +613,9 @@ def collapse(rows, base):
         # the baseline beside it (--paired), which its speedups are against; else None
         out[-1]["paired_base_ms"] = (statistics.median(r["paired_base_ms"] for r in rs)
                                      if "paired_base_ms" in rs[0] else None)
+        if "steps_ms" in rs[0]:  # each round's timed steps, ours and the baseline's beside it
+            out[-1]["steps_ms"] = [r["steps_ms"] for r in rs]
+            out[-1]["base_steps_ms"] = [r["base_steps_ms"] for r in rs]
     return out
 
 
@@ -637,7 +642,7 @@ def report(rows, rates, settings, out_dir, table=ROWS, name="network"):
     lines = [[label] + [x for rate in rates for x in cells(by[(rate, label)])]
              for label in labels]
     print(results.markdown(header, lines))
-    results.write(out_dir, name, settings, rows)
+    results.write(out_dir, name, settings, rows, json_only=("steps_ms", "base_steps_ms"))
     plt = results.pyplot()
     fig, ax = plt.subplots(figsize=(11, 5))
     width = 0.8 / len(rates)

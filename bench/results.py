@@ -9,13 +9,14 @@ DEFAULT_OUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__fil
                            "benchmarks")
 
 
-def write(out_dir, name, settings, rows):
-    """rows: a list of flat dicts with the same keys."""
+def write(out_dir, name, settings, rows, json_only=()):
+    """rows: a list of flat dicts with the same keys; json_only: keys left out of the CSV."""
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
         json.dump({"settings": settings, "rows": rows}, f, indent=1)
     with open(os.path.join(out_dir, f"{name}.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w = csv.DictWriter(f, fieldnames=[k for k in rows[0] if k not in json_only],
+                           extrasaction="ignore")
         w.writeheader()
         w.writerows(rows)
 

@@ -3,6 +3,7 @@ table, CSV, JSON and plot with a row for every configuration it lists. No timing
 import csv
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -228,6 +229,37 @@ def test_paired_steps_alternate_or_keep_the_baseline_first_in_warmup(alternate_w
     between = [len(gap) for gap in steps[:8].split("S")[1:4]]
     assert between == ([2, 0, 2] if alternate_warmup else [1, 1, 1])
     assert r["paired_base_ms"] >= 0 and r["ms_per_step"] >= 0
+    # each timed step's time is kept, ours and the baseline's, in the order they ran
+    assert len(r["steps_ms"]) == len(r["base_steps_ms"]) == opts["steps"]
+    assert r["ms_per_step"] == statistics.median(r["steps_ms"])
+    assert r["paired_base_ms"] == statistics.median(r["base_steps_ms"])
+
+
+def test_paired_step_times_reach_the_json_and_stay_out_of_the_csv(tmp_path):
+    """collapse() keeps each round's step times; results.write() puts them in the JSON only,
+    where the CSV would hold a list in a cell."""
+    import network
+    import results
+    runs = [{"rate": "10gbit", "round": k, "row": row, "spec": "none", "ms_per_step": ms,
+             "bytes_per_step": 1, "cpu_ms_per_step": 1.0, "main_cpu_ms_per_step": 1.0,
+             "base_ms": 10.0, **paired}
+            for k in range(2)
+            for row, ms, paired in (("base", 10.0, {}),
+                                    ("ours", 9.0 + k, {"paired_base_ms": 10.0,
+                                                       "steps_ms": [8.0 + k, 10.0 + k],
+                                                       "base_steps_ms": [10.0, 10.0]}))]
+    rows = network.collapse(runs, "base")
+    ours = next(r for r in rows if r["row"] == "ours")
+    assert ours["steps_ms"] == [[8.0, 10.0], [9.0, 11.0]]
+    assert ours["base_steps_ms"] == [[10.0, 10.0]] * 2
+    assert "steps_ms" not in rows[0]  # the baseline's own rows are not paired
+    results.write(str(tmp_path), "t", {}, rows, json_only=("steps_ms", "base_steps_ms"))
+    with open(tmp_path / "t.json") as f:
+        assert json.load(f)["rows"][1]["steps_ms"] == [[8.0, 10.0], [9.0, 11.0]]
+    with open(tmp_path / "t.csv") as f:
+        table = list(csv.DictReader(f))
+    assert [r["row"] for r in table] == ["base", "ours"]
+    assert "steps_ms" not in table[1] and table[1]["ms_per_step"] == "9.5"
 
 
 # The same skip as the network bench's other runs: namespaces need root (CI has it and runs this).
