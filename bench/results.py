@@ -10,7 +10,8 @@ DEFAULT_OUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__fil
 
 
 def write(out_dir, name, settings, rows, json_only=()):
-    """rows: a list of flat dicts with the same keys; json_only: keys left out of the CSV."""
+    """rows: a list of flat dicts. The CSV's columns are the first row's keys but json_only
+    (lists: each step's times), which a later row may add."""
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
         json.dump({"settings": settings, "rows": rows}, f, indent=1)
