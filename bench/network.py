@@ -516,11 +516,22 @@ def keras_model(tf, hvd, opts):
 
 
 def keras_step(tf, model, loss, opt):
-    @tf.function
+    """One training step as a tf.function, traced again when our optimizer's autotune has
+    settled on uncompressed steps (compression_retrace_due), as AutotuneCallback does for fit."""
+    def traced():
+        @tf.function
+        def step():
+            with tf.GradientTape() as tape:
+                value = loss()
+            opt.apply_gradients(opt.compute_gradients(value, model.trainable_variables,
+                                                      tape=tape))
+        return step
+    current = [traced()]
+
     def step():
-        with tf.GradientTape() as tape:
-            value = loss()
-        opt.apply_gradients(opt.compute_gradients(value, model.trainable_variables, tape=tape))
+        current[0]()
+        if getattr(opt, "compression_retrace_due", lambda: False)():
+            current[0] = traced()
     return step
 
 

@@ -5,6 +5,8 @@
     model.compile(optimizer=opt, loss=...)
     model.fit(..., callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0),
                               hvdk.CompressionScheduleCallback(start_epoch=1),
+                              # with autotune=K in the spec, instead of the schedule:
+                              # hvdk.AutotuneCallback(),
                               hvdk.CompressionStatsCallback(),
                               hvdk.CompressionCheckpointCallback("ckpt/compression")])
 
@@ -119,6 +121,23 @@ class CompressionScheduleCallback(tf.keras.callbacks.Callback):
             raise ValueError("CompressionScheduleCallback and the spec's autotune both decide "
                              "when to compress: drop one of them")
         reducer.enabled.assign(on)
+
+
+class AutotuneCallback(tf.keras.callbacks.Callback):
+    """With `autotune=K` in the spec: once the probe has settled on uncompressed steps, the
+    train function is traced again, holding Horovod's allreduces and none of the compression
+    (Reducer.retrace_due says why). Every rank reads the same decision after the same batch,
+    so all retrace together."""
+
+    def on_train_begin(self, logs=None):
+        reducer = _reducer_of(self.model)
+        if not reducer.config.autotune:
+            raise ValueError(f"AutotuneCallback needs autotune=K in the compression spec, got "
+                             f"{reducer.config}")
+
+    def on_train_batch_end(self, batch, logs=None):
+        if _reducer_of(self.model).retrace_due():
+            self.model.train_function = self.model.make_train_function(force=True)
 
 
 class CompressionStatsCallback(tf.keras.callbacks.Callback):

@@ -156,6 +156,7 @@ class Reducer:
         self._in_arms: set[str] = set()
         self._arms_finite: list = []
         self.autotune = self._autotune()
+        self._settled = None  # what retrace_due() last read of autotune's decision
         self.nodes, self.groups = None, {None: process_set}
         self.gloo = hvd.gloo_enabled()
         if config.hierarchical:
@@ -182,12 +183,31 @@ class Reducer:
                                "node process sets belong to the old world")
         self.codec = TFCodec(self.config, self.store, rank=rank, world=world)
         self.autotune = self._autotune()  # another job: measured again
+        self._settled = None
         return True
 
     def _autotune(self) -> GraphAutotune | None:
         if not self.config.autotune or not self.process_set.included():
             return None
         return GraphAutotune(self.config.autotune, self.enabled, self.process_set)
+
+    def retrace_due(self) -> bool:
+        """True once, at the first call after autotune has settled on uncompressed steps. The
+        steps traced from then on hold each gradient's Horovod allreduce (after the spec's
+        momentum) and nothing of the compression: trace the step function again (Keras:
+        AutotuneCallback does). A traced step keeps both arms, `enabled` choosing between them,
+        and at two ranks a graph that holds a compressing branch ran 4-9% slower than
+        Horovod's, even where that branch was dead; without it, at Horovod's speed
+        (docs/benchmarks.md, "Keras: what an uncompressed arm costs at two ranks"). A step not
+        traced again stays correct, uncompressed by `enabled`. False without autotune, while
+        it probes, and once it has kept compression; each call until the decision reads two
+        variables."""
+        if self.autotune is None or self._settled is not None:
+            return False
+        if not bool(current(self.autotune.decided)):
+            return False
+        self._settled = "uncompressed" if not bool(current(self.enabled)) else "compressed"
+        return self._settled == "uncompressed"
 
     def _powersgd(self, config: CompressionConfig) -> PowerSGDReduction | None:
         """Two-round codecs run their own pipeline over all of a step's gradients."""
@@ -218,11 +238,14 @@ class Reducer:
         self._all_stepping = None
         self._in_arms, self._arms_finite = set(), []
         self.store.begin()
-        if self.autotune is not None:
+        probing = self.autotune is not None and self._settled != "uncompressed"
+        if probing:
             self.autotune.begin()
         try:
             units = self._rescale()
-            if self.powersgd is not None:
+            if self._settled == "uncompressed":
+                reduced = [self._uncompressed(g, name) for g, name in zip(grads, names)]
+            elif self.powersgd is not None:
                 reduced = self._reduce_powersgd(grads, names)
             elif self.bucket_bytes and self.config.codec != "none":
                 reduced = self._reduce_in_buckets(grads, variables, names)
@@ -232,7 +255,7 @@ class Reducer:
             self.store.rollback()
             raise
         self._end_step(reduced, names, units)
-        if self.autotune is not None:
+        if probing:
             self.autotune.end(reduced, self._no_rank_joined())
         self.steps.assign_add(1)
         if self._writer is not None:
@@ -654,6 +677,16 @@ class Reducer:
                                    lambda: [self._plain(off, opname + ".plain")], [grad.dtype])
         return tf.reshape(reduced[0], tf.shape(grad))
 
+    def _uncompressed(self, grad, name: str):
+        """A gradient once autotune has settled on uncompressed steps (retrace_due): as a
+        step with `enabled` off sends it, with no cond around it."""
+        if grad is None:
+            return None
+        opname = "hvdc." + _OP_NAME.sub("_", name)
+        if not self._kept_plain(grad, name):
+            opname += ".plain"
+        return self._plain(self._plain_momentum(grad, name), opname)
+
     def _compressed(self, grad, name: str, opname: str, step=None, members: tuple = ()):
         """`members`: a bucket's, as collectives.Job takes them; empty for a gradient alone.
         `step`: a bucket's counter (its first member's); a gradient alone advances its own."""
@@ -869,6 +902,7 @@ def attach(opt, reducer: Reducer):
         helper.allreduce_grads = reducer.reduce
     opt._hvdc_reducer = reducer
     opt.compression_report = reducer.compression_report
+    opt.compression_retrace_due = reducer.retrace_due
     opt.write_compression_summaries = reducer.write_compression_summaries
     opt.compression_state_dict = reducer.state_dict
     opt.load_compression_state_dict = reducer.load_state_dict

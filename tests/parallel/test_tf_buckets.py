@@ -357,11 +357,11 @@ def test_autotune_probes_both_arms_and_every_rank_keeps_the_faster(slow, graph):
 
 def record_allreduces(monkeypatch) -> list:
     """(name, elements) of each hvd.allreduce the reducer issues. Eager: a tf.cond runs only
-    the branch taken, so the list is what the step sent."""
+    the branch taken, so the list is what the step sent; traced, what the graph holds."""
     sent, real = [], hvd.allreduce
 
     def allreduce(tensor, *args, name=None, **kwargs):
-        sent.append((name, int(tf.size(tensor))))
+        sent.append((name, tensor.shape.num_elements()))
         return real(tensor, *args, name=name, **kwargs)
     monkeypatch.setattr(hvd, "allreduce", allreduce)
     return sent
@@ -480,4 +480,110 @@ def test_autotune_leaves_no_room_for_a_compression_schedule():
     callback = hvdc_keras.CompressionScheduleCallback(start_step=1)
     callback.set_model(SimpleNamespace(optimizer=SimpleNamespace(_hvdc_reducer=model.reducer)))
     with pytest.raises(ValueError, match="CompressionScheduleCallback and the spec's autotune"):
+        callback.on_train_begin()
+
+
+
+def all_op_types(graph) -> set:
+    """The op types of a graph and of every function it calls (cond branches included)."""
+    gdef = graph.as_graph_def()
+    return ({n.op for n in gdef.node}
+            | {n.op for f in gdef.library.function for n in f.node_def})
+
+
+# Our kernels that compress, send or decode a payload, as opposed to the spec's momentum
+# (HvdcHeavyBall, HvdcNesterov), the finite check and the codec clock.
+CODEC_OPS = ("HvdcEncode", "HvdcEfEncode", "HvdcDecode", "HvdcAggregate", "HvdcHomo",
+             "HvdcPowersgd", "HvdcEfSettle")
+
+
+@pytest.mark.parametrize("spec", ["onebit,ef=vanilla", "topk,k=0.05,ef=vanilla,momentum=nesterov"])
+def test_once_autotune_settles_on_uncompressed_a_retraced_step_holds_only_horovods_allreduces(
+        spec, monkeypatch):
+    """retrace_due() says so once, after the probe's last step, and a step traced after it
+    holds none of the compression: each gradient's allreduce (after the spec's momentum, which
+    keeps its count of stepping ranks), no cond without that momentum. Its results and state
+    are an uncompressed step's: residuals stay as the probe left them."""
+    from hvd_compress.autotune import WARMUP, compressed_arm
+    probes = 1
+    model = Model(f"{spec},autotune={probes}", graph=True)
+    tune = model.reducer.autotune
+    ticks = tf.Variable(0.0, dtype=tf.float64)
+    tune.clock = lambda: ticks.assign_add(tf.where(tune.enabled, tf.constant(1.0, tf.float64),
+                                                   0.1))  # the compressed arm the slower
+    oracle = bucket_oracle.BucketOracle(spec, WORLD)
+    probing = WARMUP + 2 * probes
+    for step in range(probing):
+        grads = bucket_oracle.step_grads(step, WORLD)
+        arm = compressed_arm(step - WARMUP)
+        oracle.check(model.reduce(grads), oracle(grads, compressing=arm), f"step {step}")
+        assert model.reducer.retrace_due() is (step == probing - 1), step
+    assert model.reducer.retrace_due() is False  # once only
+    assert model.reducer.compression_report()["autotune"]["compress"] is False
+
+    model.step = tf.function(lambda gs: model.reducer.reduce(gs, model.vars))
+    sent = record_allreduces(monkeypatch)
+    graph = model.step.get_concrete_function(
+        [tf.TensorSpec(shape) for shape in SHAPES.values()]).graph
+    momentum = spec_momentum(hc.parse_spec(spec)) is not None
+    assert sorted(name for name, _ in sent) == sorted(
+        [f"hvdc.{name}.plain" for name in SHAPES] + ["hvdc.stepping_ranks"] * momentum), sent
+    types = all_op_types(graph)
+    assert not [t for t in types if t.startswith(CODEC_OPS)], types
+    assert not {"HorovodAllgather", "HorovodAlltoall"} & types, types
+    assert momentum or not {"If", "StatelessIf", "Timestamp"} & types, types
+    before = model.reducer.state_dict()
+    for step in range(probing, probing + 2):
+        grads = bucket_oracle.step_grads(step, WORLD)
+        oracle.check(model.reduce(grads), oracle(grads, compressing=False), f"step {step}")
+    after = model.reducer.state_dict()
+    residuals = [(name, kind) for name, kinds in before["slots"].items() for kind in kinds
+                 if kind == "ef"]
+    assert residuals
+    for name, kind in residuals:
+        assert same_bits(after["slots"][name][kind], before["slots"][name][kind]), (name, kind)
+
+
+@pytest.mark.parametrize("slow", ["compressed", "uncompressed"])
+def test_keras_autotune_callback_retraces_the_train_function_once_settled_uncompressed(slow):
+    """model.fit with AutotuneCallback: the train function is traced again after the batch that
+    settled on uncompressed steps, and only then; a run that keeps compression keeps its
+    function. Every rank ends with the same weights."""
+    from hvd_compress.autotune import WARMUP
+    probes = 1
+    tf.keras.utils.set_random_seed(0)  # the same starting weights on every rank
+    model = tf.keras.Sequential([tf.keras.layers.Dense(16, activation="tanh", input_shape=(8,)),
+                                 tf.keras.layers.Dense(1)])
+    opt = hvdc_keras.DistributedOptimizer(tf.keras.optimizers.SGD(0.1),
+                                          compression=f"onebit,ef=vanilla,autotune={probes}",
+                                          min_compress_bytes=0)
+    model.compile(optimizer=opt, loss="mse")
+    tune = opt._hvdc_reducer.autotune
+    ticks = tf.Variable(0.0, dtype=tf.float64)
+    cost = {"compressed": (1.0, 0.1), "uncompressed": (0.1, 1.0)}[slow]
+    tune.clock = lambda: ticks.assign_add(tf.where(tune.enabled, tf.constant(cost[0], tf.float64),
+                                                   cost[1]))
+    functions = []
+    seen = tf.keras.callbacks.LambdaCallback(
+        on_train_batch_begin=lambda b, logs: functions.append(model.train_function))
+    batches = WARMUP + 2 * probes + 3
+    x = np.random.RandomState(RANK).normal(size=(4 * batches, 8)).astype(np.float32)
+    y = x.sum(1, keepdims=True)
+    model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0,
+              callbacks=[hvdc_keras.AutotuneCallback(), seen])
+    changes = [b for b in range(1, batches) if functions[b] is not functions[b - 1]]
+    assert changes == ([WARMUP + 2 * probes] if slow == "compressed" else []), changes
+    assert opt.compression_report()["autotune"]["compress"] is (slow == "uncompressed")
+    flat = tf.concat([tf.reshape(w, [-1]) for w in model.trainable_weights], 0)
+    gathered = hvd.allgather(tf.expand_dims(flat, 0), name="autotune_callback.weights")
+    assert all(np.array_equal(gathered[0].numpy(), g.numpy()) for g in gathered), "ranks diverged"
+
+
+def test_the_autotune_callback_needs_autotune_in_the_spec():
+    from types import SimpleNamespace
+    model = Model("onebit,ef=vanilla")
+    callback = hvdc_keras.AutotuneCallback()
+    callback.set_model(SimpleNamespace(optimizer=SimpleNamespace(_hvdc_reducer=model.reducer)))
+    with pytest.raises(ValueError, match="AutotuneCallback needs autotune=K in the compression "
+                                         "spec, got onebit,"):
         callback.on_train_begin()
