@@ -516,8 +516,8 @@ def keras_model(tf, hvd, opts):
 
 
 def keras_step(tf, model, loss, opt):
-    """One training step as a tf.function, traced again when our optimizer's autotune has
-    settled on uncompressed steps (compression_retrace_due), as AutotuneCallback does for fit."""
+    """One training step, a tf.function for each trace our optimizer asks for
+    (compression_next_trace), as AutotuneCallback keeps them for fit."""
     def traced():
         @tf.function
         def step():
@@ -526,12 +526,13 @@ def keras_step(tf, model, loss, opt):
             opt.apply_gradients(opt.compute_gradients(value, model.trainable_variables,
                                                       tape=tape))
         return step
-    current = [traced()]
+    functions = {}
 
     def step():
-        current[0]()
-        if getattr(opt, "compression_retrace_due", lambda: False)():
-            current[0] = traced()
+        trace = opt.compression_next_trace() if hasattr(opt, "compression_next_trace") else None
+        if trace not in functions:
+            functions[trace] = traced()
+        functions[trace]()
     return step
 
 

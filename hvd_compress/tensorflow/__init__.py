@@ -73,10 +73,11 @@ class _CompressedTape(tf.GradientTape):
     def compression_report(self) -> dict:
         return self._hvdc_reducer.compression_report()
 
-    def compression_retrace_due(self) -> bool:
-        """Reducer.retrace_due: True once autotune has settled on uncompressed steps; trace
-        the step function again (a new tf.function) to drop the compression from its graph."""
-        return self._hvdc_reducer.retrace_due()
+    def compression_next_trace(self, per_arm: bool = True) -> str:
+        """Reducer.next_trace: which trace of your step function to run next. With autotune,
+        ask before each step and keep a tf.function per answer, so that uncompressed steps run
+        a graph without the compression."""
+        return self._hvdc_reducer.next_trace(per_arm)
 
     def write_compression_summaries(self, logdir: str) -> None:
         self._hvdc_reducer.write_compression_summaries(logdir)

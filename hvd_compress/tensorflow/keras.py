@@ -124,20 +124,27 @@ class CompressionScheduleCallback(tf.keras.callbacks.Callback):
 
 
 class AutotuneCallback(tf.keras.callbacks.Callback):
-    """With `autotune=K` in the spec: once the probe has settled on uncompressed steps, the
-    train function is traced again, holding Horovod's allreduces and none of the compression
-    (Reducer.retrace_due says why). Every rank reads the same decision after the same batch,
-    so all retrace together."""
+    """With `autotune=K` in the spec: each batch runs the train function traced for it
+    (Reducer.next_trace says which and why), each traced once in a `fit`. The probe's
+    uncompressed steps and, once it has settled on them, every step then run a graph without
+    the compression. Every rank reads the same variables before the same batch, so all run the
+    same trace."""
 
     def on_train_begin(self, logs=None):
         reducer = _reducer_of(self.model)
         if not reducer.config.autotune:
             raise ValueError(f"AutotuneCallback needs autotune=K in the compression spec, got "
                              f"{reducer.config}")
+        # Traced anew in each fit: an elastic reset changes the world a trace was made for.
+        self._functions = {}
+        every = getattr(self.model, "_steps_per_execution", None)
+        self._per_arm = every is None or int(every.numpy()) == 1
 
-    def on_train_batch_end(self, batch, logs=None):
-        if _reducer_of(self.model).retrace_due():
-            self.model.train_function = self.model.make_train_function(force=True)
+    def on_train_batch_begin(self, batch, logs=None):
+        trace = _reducer_of(self.model).next_trace(self._per_arm)
+        if trace not in self._functions:
+            self._functions[trace] = self.model.make_train_function(force=True)
+        self.model.train_function = self._functions[trace]
 
 
 class CompressionStatsCallback(tf.keras.callbacks.Callback):

@@ -20,6 +20,7 @@ from ..spec import (CompressionConfig, momentum_advice, parse_spec, sparse_momen
                     spec_momentum)
 from ..state import StateStore
 from ..stats import CompressionStats
+from ..autotune import WARMUP, compressed_arm
 from .autotune import GraphAutotune
 from .codec import (DTYPE_NAMES, TFAdapter, TFCodec, concat_pieces, fields_step, flat_range,
                     split_pieces, state_variable, warmup_attrs)
@@ -29,6 +30,8 @@ from .powersgd import PowerSGDReduction
 DEFAULT_MIN_COMPRESS_BYTES = 65536
 _OP_NAME = re.compile(r"[^A-Za-z0-9_.\-/]")
 _OPS = {"sum": hvd.Sum, "max": hvd.Max}
+# The traces of a step Reducer.next_trace names.
+COMPRESSING, PROBE_UNCOMPRESSED, UNCOMPRESSED = "compressing", "probe-uncompressed", "uncompressed"
 
 
 def parameter_name(var, index: int = 0) -> str:
@@ -156,7 +159,8 @@ class Reducer:
         self._in_arms: set[str] = set()
         self._arms_finite: list = []
         self.autotune = self._autotune()
-        self._settled = None  # what retrace_due() last read of autotune's decision
+        self._settled = None  # autotune's decision as next_trace() read it: a trace's name
+        self._trace = COMPRESSING  # what a step traced now holds (next_trace)
         self.nodes, self.groups = None, {None: process_set}
         self.gloo = hvd.gloo_enabled()
         if config.hierarchical:
@@ -191,23 +195,35 @@ class Reducer:
             return None
         return GraphAutotune(self.config.autotune, self.enabled, self.process_set)
 
-    def retrace_due(self) -> bool:
-        """True once, at the first call after autotune has settled on uncompressed steps. The
-        steps traced from then on hold each gradient's Horovod allreduce (after the spec's
-        momentum) and nothing of the compression: trace the step function again (Keras:
-        AutotuneCallback does). A traced step keeps both arms, `enabled` choosing between them,
-        and at two ranks a graph that holds a compressing branch ran 4-9% slower than
-        Horovod's, even where that branch was dead; without it, at Horovod's speed
-        (docs/benchmarks.md, "Keras: what an uncompressed arm costs at two ranks"). A step not
-        traced again stays correct, uncompressed by `enabled`. False without autotune, while
-        it probes, and once it has kept compression; each call until the decision reads two
-        variables."""
-        if self.autotune is None or self._settled is not None:
-            return False
-        if not bool(current(self.autotune.decided)):
-            return False
-        self._settled = "uncompressed" if not bool(current(self.enabled)) else "compressed"
-        return self._settled == "uncompressed"
+    def next_trace(self, per_arm: bool = True) -> str:
+        """Which trace of the step function the next step runs, for a caller that keeps one
+        tf.function per answer and asks before each step (Keras: AutotuneCallback; a loop of
+        your own: a dict of tf.functions keyed by the answer). A step traced then takes that
+        shape:
+        - COMPRESSING: both arms, `enabled` choosing between them; always, without autotune.
+        - PROBE_UNCOMPRESSED: the probe's uncompressed steps (warm-up included): each
+          gradient's Horovod allreduce after the spec's momentum, and the probe's clock.
+        - UNCOMPRESSED: every step once autotune has settled on uncompressed steps, without
+          the clock; COMPRESSING once it has settled on compression.
+        At two ranks a graph that holds a compressing branch ran 4-9% slower than Horovod's,
+        even where that branch never ran (docs/benchmarks.md, "Keras: what an uncompressed
+        arm costs at two ranks"): with one trace for both arms, the probe's uncompressed steps
+        paid that, tilting the decision toward compression, and a run settled on uncompressed
+        steps went on paying it. Any trace gives correct gradients and state in any step: one
+        run in the other arm's steps only misleads the probe. per_arm=False (one call runs
+        several steps: Keras' steps_per_execution > 1): COMPRESSING until settled. Reads two
+        variables a call until autotune has decided, none after."""
+        tune, trace = self.autotune, COMPRESSING
+        if tune is not None:
+            if self._settled is None and bool(current(tune.decided)):
+                self._settled = COMPRESSING if bool(current(self.enabled)) else UNCOMPRESSED
+            if self._settled is not None:
+                trace = self._settled
+            elif per_arm and not compressed_arm(
+                    min(int(current(tune.step)), WARMUP + 2 * tune.probes - 1) - WARMUP):
+                trace = PROBE_UNCOMPRESSED
+        self._trace = trace
+        return trace
 
     def _powersgd(self, config: CompressionConfig) -> PowerSGDReduction | None:
         """Two-round codecs run their own pipeline over all of a step's gradients."""
@@ -238,12 +254,13 @@ class Reducer:
         self._all_stepping = None
         self._in_arms, self._arms_finite = set(), []
         self.store.begin()
-        probing = self.autotune is not None and self._settled != "uncompressed"
+        trace = COMPRESSING if self.autotune is None else self._trace
+        probing = self.autotune is not None and trace != UNCOMPRESSED
         if probing:
             self.autotune.begin()
         try:
             units = self._rescale()
-            if self._settled == "uncompressed":
+            if trace != COMPRESSING:
                 reduced = [self._uncompressed(g, name) for g, name in zip(grads, names)]
             elif self.powersgd is not None:
                 reduced = self._reduce_powersgd(grads, names)
@@ -678,8 +695,8 @@ class Reducer:
         return tf.reshape(reduced[0], tf.shape(grad))
 
     def _uncompressed(self, grad, name: str):
-        """A gradient once autotune has settled on uncompressed steps (retrace_due): as a
-        step with `enabled` off sends it, with no cond around it."""
+        """A gradient in a trace of uncompressed steps (next_trace): as a step with `enabled`
+        off sends it, with no cond around it."""
         if grad is None:
             return None
         opname = "hvdc." + _OP_NAME.sub("_", name)
@@ -902,7 +919,7 @@ def attach(opt, reducer: Reducer):
         helper.allreduce_grads = reducer.reduce
     opt._hvdc_reducer = reducer
     opt.compression_report = reducer.compression_report
-    opt.compression_retrace_due = reducer.retrace_due
+    opt.compression_next_trace = reducer.next_trace
     opt.write_compression_summaries = reducer.write_compression_summaries
     opt.compression_state_dict = reducer.state_dict
     opt.load_compression_state_dict = reducer.load_state_dict

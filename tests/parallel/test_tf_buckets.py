@@ -483,7 +483,6 @@ def test_autotune_leaves_no_room_for_a_compression_schedule():
         callback.on_train_begin()
 
 
-
 def all_op_types(graph) -> set:
     """The op types of a graph and of every function it calls (cond branches included)."""
     gdef = graph.as_graph_def()
@@ -497,58 +496,98 @@ CODEC_OPS = ("HvdcEncode", "HvdcEfEncode", "HvdcDecode", "HvdcAggregate", "HvdcH
              "HvdcPowersgd", "HvdcEfSettle")
 
 
-@pytest.mark.parametrize("spec", ["onebit,ef=vanilla", "topk,k=0.05,ef=vanilla,momentum=nesterov"])
-def test_once_autotune_settles_on_uncompressed_a_retraced_step_holds_only_horovods_allreduces(
-        spec, monkeypatch):
-    """retrace_due() says so once, after the probe's last step, and a step traced after it
-    holds none of the compression: each gradient's allreduce (after the spec's momentum, which
-    keeps its count of stepping ranks), no cond without that momentum. Its results and state
-    are an uncompressed step's: residuals stay as the probe left them."""
-    from hvd_compress.autotune import WARMUP, compressed_arm
-    probes = 1
-    model = Model(f"{spec},autotune={probes}", graph=True)
-    tune = model.reducer.autotune
+def slower_arm_clock(tune, slow: str) -> None:
+    """The probe's clock made the test's: each step costs 1 in its slow arm, 0.1 in the other."""
     ticks = tf.Variable(0.0, dtype=tf.float64)
-    tune.clock = lambda: ticks.assign_add(tf.where(tune.enabled, tf.constant(1.0, tf.float64),
-                                                   0.1))  # the compressed arm the slower
-    oracle = bucket_oracle.BucketOracle(spec, WORLD)
-    probing = WARMUP + 2 * probes
-    for step in range(probing):
-        grads = bucket_oracle.step_grads(step, WORLD)
-        arm = compressed_arm(step - WARMUP)
-        oracle.check(model.reduce(grads), oracle(grads, compressing=arm), f"step {step}")
-        assert model.reducer.retrace_due() is (step == probing - 1), step
-    assert model.reducer.retrace_due() is False  # once only
-    assert model.reducer.compression_report()["autotune"]["compress"] is False
+    cost = {"compressed": (1.0, 0.1), "uncompressed": (0.1, 1.0)}[slow]
+    tune.clock = lambda: ticks.assign_add(tf.where(tune.enabled, tf.constant(cost[0], tf.float64),
+                                                   cost[1]))
 
-    model.step = tf.function(lambda gs: model.reducer.reduce(gs, model.vars))
-    sent = record_allreduces(monkeypatch)
-    graph = model.step.get_concrete_function(
-        [tf.TensorSpec(shape) for shape in SHAPES.values()]).graph
-    momentum = spec_momentum(hc.parse_spec(spec)) is not None
-    assert sorted(name for name, _ in sent) == sorted(
-        [f"hvdc.{name}.plain" for name in SHAPES] + ["hvdc.stepping_ranks"] * momentum), sent
-    types = all_op_types(graph)
-    assert not [t for t in types if t.startswith(CODEC_OPS)], types
-    assert not {"HorovodAllgather", "HorovodAlltoall"} & types, types
-    assert momentum or not {"If", "StatelessIf", "Timestamp"} & types, types
-    before = model.reducer.state_dict()
-    for step in range(probing, probing + 2):
-        grads = bucket_oracle.step_grads(step, WORLD)
-        oracle.check(model.reduce(grads), oracle(grads, compressing=False), f"step {step}")
-    after = model.reducer.state_dict()
-    residuals = [(name, kind) for name, kinds in before["slots"].items() for kind in kinds
-                 if kind == "ef"]
-    assert residuals
-    for name, kind in residuals:
-        assert same_bits(after["slots"][name][kind], before["slots"][name][kind]), (name, kind)
+
+def expected_traces(probes: int, slow: str, steps: int) -> list:
+    """Reducer.next_trace's answers over `steps` steps of the probe and after it."""
+    from hvd_compress.autotune import WARMUP, compressed_arm
+    settled = "uncompressed" if slow == "compressed" else "compressing"
+    return [settled if s >= WARMUP + 2 * probes
+            else "compressing" if compressed_arm(s - WARMUP) else "probe-uncompressed"
+            for s in range(steps)]
 
 
 @pytest.mark.parametrize("slow", ["compressed", "uncompressed"])
-def test_keras_autotune_callback_retraces_the_train_function_once_settled_uncompressed(slow):
-    """model.fit with AutotuneCallback: the train function is traced again after the batch that
-    settled on uncompressed steps, and only then; a run that keeps compression keeps its
-    function. Every rank ends with the same weights."""
+@pytest.mark.parametrize("spec", ["onebit,ef=vanilla", "topk,k=0.05,ef=vanilla,momentum=nesterov"])
+def test_each_arm_runs_its_own_trace_and_uncompressed_ones_hold_only_horovods_allreduces(
+        spec, slow, monkeypatch):
+    """A step function traced per next_trace() answer, as AutotuneCallback keeps them: the
+    probe's uncompressed steps run a trace that holds the probe (its decision's allreduce)
+    and, of the reduction, only each gradient's allreduce (after the spec's momentum, which
+    keeps its count of stepping ranks); once settled on uncompressed steps, a trace without
+    the probe, and without any cond where the spec keeps no momentum. Results and state are as with one trace: the
+    simulated arms, residuals untouched by uncompressed steps."""
+    from hvd_compress.autotune import WARMUP
+    probes = 1
+    model = Model(f"{spec},autotune={probes}", graph=True)
+    slower_arm_clock(model.reducer.autotune, slow)
+    oracle = bucket_oracle.BucketOracle(spec, WORLD)
+    functions, graphs, sent = {}, {}, record_allreduces(monkeypatch)
+    inputs = [tf.TensorSpec(shape) for shape in SHAPES.values()]
+    steps = WARMUP + 2 * probes + 2
+    traces = []
+    for step in range(steps):
+        trace = model.reducer.next_trace()
+        traces.append(trace)
+        if trace not in functions:
+            functions[trace] = tf.function(lambda gs: model.reducer.reduce(gs, model.vars))
+            sent.clear()
+            graphs[trace] = (functions[trace].get_concrete_function(inputs).graph,
+                             sorted(name for name, _ in sent))
+        grads = bucket_oracle.step_grads(step, WORLD)
+        arm = trace == "compressing"
+        before = model.reducer.state_dict()
+        got = {name: g.numpy() for name, g in zip(SHAPES, functions[trace](
+            [tf.constant(grads[name][RANK]) for name in SHAPES]))}
+        oracle.check(got, oracle(grads, compressing=arm), f"step {step}: {trace}")
+        if not arm:
+            after = model.reducer.state_dict()
+            for name, kinds in before["slots"].items():
+                if "ef" in kinds:
+                    assert same_bits(after["slots"][name]["ef"], kinds["ef"]), (step, name)
+    assert traces == expected_traces(probes, slow, steps), traces
+    assert model.reducer.compression_report()["autotune"]["compress"] is (slow == "uncompressed")
+    momentum = spec_momentum(hc.parse_spec(spec)) is not None
+    for trace, (graph, names) in graphs.items():
+        if trace == "compressing":
+            continue
+        assert names == sorted([f"hvdc.{name}.plain" for name in SHAPES]
+                               + ["hvdc.stepping_ranks"] * (momentum or trace != "uncompressed")
+                               + ["hvd_compress.autotune"] * (trace != "uncompressed")), \
+            (trace, names)
+        types = all_op_types(graph)
+        assert not [t for t in types if t.startswith(CODEC_OPS)], (trace, types)
+        assert not {"HorovodAllgather", "HorovodAlltoall"} & types, (trace, types)
+        if trace == "uncompressed" and not momentum:
+            assert not {"If", "StatelessIf"} & types, types
+
+
+def test_without_autotune_or_with_its_decision_read_every_step_compresses_in_one_trace():
+    """Without autotune next_trace() reads nothing and always answers "compressing"; with
+    per_arm=False (a call that runs several steps) it answers so until autotune has decided."""
+    from hvd_compress.autotune import WARMUP
+    model = Model("onebit,ef=vanilla")
+    assert [model.reducer.next_trace() for _ in range(3)] == ["compressing"] * 3
+    probes = 1
+    model = Model(f"onebit,ef=vanilla,autotune={probes}")
+    slower_arm_clock(model.reducer.autotune, "compressed")
+    traces = []
+    for step in range(WARMUP + 2 * probes + 1):
+        traces.append(model.reducer.next_trace(per_arm=False))
+        model.reduce(bucket_oracle.step_grads(step, WORLD))
+    assert traces == ["compressing"] * (WARMUP + 2 * probes) + ["uncompressed"], traces
+
+
+@pytest.mark.parametrize("slow", ["compressed", "uncompressed"])
+def test_keras_autotune_callback_runs_each_batch_in_its_arms_trace(slow):
+    """model.fit with AutotuneCallback: each batch runs the train function of its trace, each
+    made once; every rank ends with the same weights."""
     from hvd_compress.autotune import WARMUP
     probes = 1
     tf.keras.utils.set_random_seed(0)  # the same starting weights on every rank
@@ -558,11 +597,7 @@ def test_keras_autotune_callback_retraces_the_train_function_once_settled_uncomp
                                           compression=f"onebit,ef=vanilla,autotune={probes}",
                                           min_compress_bytes=0)
     model.compile(optimizer=opt, loss="mse")
-    tune = opt._hvdc_reducer.autotune
-    ticks = tf.Variable(0.0, dtype=tf.float64)
-    cost = {"compressed": (1.0, 0.1), "uncompressed": (0.1, 1.0)}[slow]
-    tune.clock = lambda: ticks.assign_add(tf.where(tune.enabled, tf.constant(cost[0], tf.float64),
-                                                   cost[1]))
+    slower_arm_clock(opt._hvdc_reducer.autotune, slow)
     functions = []
     seen = tf.keras.callbacks.LambdaCallback(
         on_train_batch_begin=lambda b, logs: functions.append(model.train_function))
@@ -571,8 +606,10 @@ def test_keras_autotune_callback_retraces_the_train_function_once_settled_uncomp
     y = x.sum(1, keepdims=True)
     model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0,
               callbacks=[hvdc_keras.AutotuneCallback(), seen])
-    changes = [b for b in range(1, batches) if functions[b] is not functions[b - 1]]
-    assert changes == ([WARMUP + 2 * probes] if slow == "compressed" else []), changes
+    traces, by_function = expected_traces(probes, slow, batches), {}
+    for b, (function, trace) in enumerate(zip(functions, traces)):
+        assert by_function.setdefault(trace, function) is function, (b, trace)
+    assert len({id(f) for f in by_function.values()}) == len(by_function), by_function
     assert opt.compression_report()["autotune"]["compress"] is (slow == "uncompressed")
     flat = tf.concat([tf.reshape(w, [-1]) for w in model.trainable_weights], 0)
     gathered = hvd.allgather(tf.expand_dims(flat, 0), name="autotune_callback.weights")
