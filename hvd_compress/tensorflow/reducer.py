@@ -15,12 +15,12 @@ import tensorflow as tf
 from tensorflow.python.ops import control_flow_util_v2
 
 from .. import buckets, collectives, stats
+from ..autotune import WARMUP, compressed_arm
 from ..compressor import CompressorBase
 from ..spec import (CompressionConfig, momentum_advice, parse_spec, sparse_momentum_error,
                     spec_momentum)
 from ..state import StateStore
 from ..stats import CompressionStats
-from ..autotune import WARMUP, compressed_arm
 from .autotune import GraphAutotune
 from .codec import (DTYPE_NAMES, TFAdapter, TFCodec, concat_pieces, fields_step, flat_range,
                     split_pieces, state_variable, warmup_attrs)
