@@ -448,6 +448,15 @@ def test_traced_uncompressed_tensors_without_buckets_skip_their_compression(spec
             bucket_oracle.assert_reduced(got[name], want, sim.plain, f"step {step}: {name}",
                                          WORLD, magnitude)
 
+
+def slower_arm_clock(tune, slow: str) -> None:
+    """The probe's clock made the test's: each step costs 1 in its slow arm, 0.1 in the other."""
+    ticks = tf.Variable(0.0, dtype=tf.float64)
+    cost = {"compressed": (1.0, 0.1), "uncompressed": (0.1, 1.0)}[slow]
+    tune.clock = lambda: ticks.assign_add(tf.where(tune.enabled, tf.constant(cost[0], tf.float64),
+                                                   cost[1]))
+
+
 def test_autotune_counts_stepping_ranks_until_it_settles_on_uncompressed(monkeypatch):
     """The probe's uncompressed steps are counted only where every rank stepped, so they count
     the ranks; once autotune keeps uncompressed steps (here the compressed arm is slower on
@@ -455,10 +464,7 @@ def test_autotune_counts_stepping_ranks_until_it_settles_on_uncompressed(monkeyp
     from hvd_compress.autotune import WARMUP, compressed_arm
     spec, probes = "onebit,ef=vanilla", 1
     model = Model(f"{spec},autotune={probes}")
-    tune = model.reducer.autotune
-    ticks = tf.Variable(0.0, dtype=tf.float64)
-    tune.clock = lambda: ticks.assign_add(tf.where(tune.enabled, tf.constant(1.0, tf.float64),
-                                                   0.1))
+    slower_arm_clock(model.reducer.autotune, "compressed")
     oracle = bucket_oracle.BucketOracle(spec, WORLD)
     sent = record_allreduces(monkeypatch)
     probing = WARMUP + 2 * probes
@@ -496,14 +502,6 @@ CODEC_OPS = ("HvdcEncode", "HvdcEfEncode", "HvdcDecode", "HvdcAggregate", "HvdcH
              "HvdcPowersgd", "HvdcEfSettle")
 
 
-def slower_arm_clock(tune, slow: str) -> None:
-    """The probe's clock made the test's: each step costs 1 in its slow arm, 0.1 in the other."""
-    ticks = tf.Variable(0.0, dtype=tf.float64)
-    cost = {"compressed": (1.0, 0.1), "uncompressed": (0.1, 1.0)}[slow]
-    tune.clock = lambda: ticks.assign_add(tf.where(tune.enabled, tf.constant(cost[0], tf.float64),
-                                                   cost[1]))
-
-
 def expected_traces(probes: int, slow: str, steps: int) -> list:
     """Reducer.next_trace's answers over `steps` steps of the probe and after it."""
     from hvd_compress.autotune import WARMUP, compressed_arm
@@ -521,8 +519,8 @@ def test_each_arm_runs_its_own_trace_and_uncompressed_ones_hold_only_horovods_al
     probe's uncompressed steps run a trace that holds the probe (its decision's allreduce)
     and, of the reduction, only each gradient's allreduce (after the spec's momentum, which
     keeps its count of stepping ranks); once settled on uncompressed steps, a trace without
-    the probe, and without any cond where the spec keeps no momentum. Results and state are as with one trace: the
-    simulated arms, residuals untouched by uncompressed steps."""
+    the probe, and without any cond where the spec keeps no momentum. Results and state are
+    as with one trace: the simulated arms, residuals untouched by uncompressed steps."""
     from hvd_compress.autotune import WARMUP
     probes = 1
     model = Model(f"{spec},autotune={probes}", graph=True)
@@ -606,6 +604,7 @@ def test_keras_autotune_callback_runs_each_batch_in_its_arms_trace(slow):
     y = x.sum(1, keepdims=True)
     model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0,
               callbacks=[hvdc_keras.AutotuneCallback(), seen])
+    assert len(functions) == batches, len(functions)
     traces, by_function = expected_traces(probes, slow, batches), {}
     for b, (function, trace) in enumerate(zip(functions, traces)):
         assert by_function.setdefault(trace, function) is function, (b, trace)
