@@ -24,6 +24,7 @@ from ..stats import CompressionStats
 from .autotune import GraphAutotune
 from .codec import (DTYPE_NAMES, TFAdapter, TFCodec, concat_pieces, fields_step, flat_range,
                     split_pieces, state_variable, warmup_attrs)
+from .handoff import MomentumHandoff
 from .ops import lib
 from .powersgd import PowerSGDReduction
 
@@ -161,6 +162,12 @@ class Reducer:
         self.autotune = self._autotune()
         self._settled = None  # autotune's decision as next_trace() read it: a trace's name
         self._trace = COMPRESSING  # what a step traced now holds (next_trace)
+        # The optimizer that may hold the spec's momentum once settled uncompressed (attach),
+        # and the (name, variable) pairs of the last traced step, whose momentum it would hold.
+        self.handoff: MomentumHandoff | None = None
+        self._named: list = []
+        self._moved = False  # whether the step being traced leaves momentum to the optimizer
+        self._checked: list = []  # the trace's check of that, which its collectives wait for
         self.nodes, self.groups = None, {None: process_set}
         self.gloo = hvd.gloo_enabled()
         if config.hierarchical:
@@ -185,6 +192,7 @@ class Reducer:
         if self.nodes is not None:
             raise RuntimeError("hierarchical compression cannot follow an elastic resize: its "
                                "node process sets belong to the old world")
+        self._give_momentum_back()
         self.codec = TFCodec(self.config, self.store, rank=rank, world=world)
         self.autotune = self._autotune()  # another job: measured again
         self._settled = None
@@ -212,11 +220,20 @@ class Reducer:
         steps went on paying it. Any trace gives correct gradients and state in any step: one
         run in the other arm's steps only misleads the probe. per_arm=False (one call runs
         several steps: Keras' steps_per_execution > 1): COMPRESSING until settled. Reads two
-        variables a call until autotune has decided, none after."""
+        variables a call until autotune has decided, none after.
+
+        Settling on UNCOMPRESSED under a spec's momentum with a Keras SGD hands the momentum to
+        the optimizer (tensorflow/handoff.py): a collective, in this call, on every rank alike.
+        From then on only the UNCOMPRESSED trace may run, and traces made before that call
+        stop with an error that says so."""
         tune, trace = self.autotune, COMPRESSING
         if tune is not None:
             if self._settled is None and bool(current(tune.decided)):
                 self._settled = COMPRESSING if bool(current(self.enabled)) else UNCOMPRESSED
+                if (self._settled == UNCOMPRESSED and self.handoff is not None
+                        and self._loss_scale is None and self._named):
+                    # Under loss scaling the velocity is in scaled units: it stays ours.
+                    self.handoff.take(self.store, self._named)
             if self._settled is not None:
                 trace = self._settled
             elif per_arm and not compressed_arm(
@@ -255,6 +272,12 @@ class Reducer:
         self._in_arms, self._arms_finite = set(), []
         self.store.begin()
         trace = COMPRESSING if self.autotune is None else self._trace
+        if self.handoff is not None:
+            self._named = [(n, v) for g, n, v in zip(grads, names, variables) if g is not None]
+            self._moved = trace == UNCOMPRESSED and self.handoff.holding
+            self._checked = [self.handoff.check(self._moved)]
+            with tf.control_dependencies(self._checked):
+                grads = [None if g is None else tf.identity(g) for g in grads]
         probing = self.autotune is not None and trace != UNCOMPRESSED
         if probing:
             self.autotune.begin()
@@ -702,7 +725,7 @@ class Reducer:
         opname = "hvdc." + _OP_NAME.sub("_", name)
         if not self._kept_plain(grad, name):
             opname += ".plain"
-        return self._plain(self._plain_momentum(grad, name), opname)
+        return self._plain(grad if self._moved else self._plain_momentum(grad, name), opname)
 
     def _compressed(self, grad, name: str, opname: str, step=None, members: tuple = ()):
         """`members`: a bucket's, as collectives.Job takes them; empty for a gradient alone.
@@ -778,7 +801,8 @@ class Reducer:
                 # A one read from a variable: Horovod's ops are not stateful, so in a
                 # tf.function grappler would fold an allreduce of a constant into the count of
                 # the trace's first run.
-                one = tf.cast(tf.not_equal(tf.reshape(self.steps, [1]), -1), tf.int32)
+                with tf.control_dependencies(self._checked):
+                    one = tf.cast(tf.not_equal(tf.reshape(self.steps, [1]), -1), tf.int32)
 
                 def count():
                     ones = hvd.allreduce(one, op=hvd.Sum, process_set=ps,
@@ -803,14 +827,29 @@ class Reducer:
             needed = tf.logical_or(needed, tf.logical_not(self.autotune.decided))
         return needed
 
+    def _give_momentum_back(self) -> None:
+        """The optimizer's momentum as the spec's velocity again (another world measures
+        autotune anew)."""
+        if self.handoff is not None and self.handoff.holding:
+            self.handoff.write_back(self.store, self._named)
+            self.handoff.release()
+
     def state_dict(self) -> dict:
         self.codec.settle()
+        if self.handoff is not None and self.handoff.holding:
+            # the velocity the optimizer holds, as every frontend keeps it
+            self.handoff.write_back(self.store, self._named)
         state = self.store.state_dict()
         units = float(self.units.numpy())
         state["loss_scale"] = units if units > 0 else None
         return state
 
     def load_state_dict(self, state: dict, strict_spec: bool = True) -> None:
+        if self.handoff is not None and self.handoff.holding:
+            # The loaded velocity is the momentum now: handed over again by the next
+            # next_trace(), which reads the decision anew.
+            self.handoff.release()
+            self._settled = None
         self.store.load_state_dict(state, strict_spec=strict_spec)
         self.units.assign(state.get("loss_scale") or 0.0)
 
@@ -918,6 +957,8 @@ def attach(opt, reducer: Reducer):
                              "built eagerly (TF2 behaviour), not in a TF1 graph")
         helper.allreduce_grads = reducer.reduce
     opt._hvdc_reducer = reducer
+    if MomentumHandoff.possible(opt, reducer.config):
+        reducer.handoff = MomentumHandoff(opt, reducer.config, reducer.op, reducer.process_set)
     opt.compression_report = reducer.compression_report
     opt.compression_next_trace = reducer.next_trace
     opt.write_compression_summaries = reducer.write_compression_summaries

@@ -8,6 +8,8 @@ the state they keep per parameter is the same too, so a torch checkpoint continu
 """
 from __future__ import annotations
 
+import warnings
+
 import horovod.tensorflow as hvd
 import numpy as np
 import pytest
@@ -582,18 +584,103 @@ def test_without_autotune_or_with_its_decision_read_every_step_compresses_in_one
     assert traces == ["compressing"] * (WARMUP + 2 * probes) + ["uncompressed"], traces
 
 
+def keras_sgd_run(spec: str, steps: int, handoff: bool = True):
+    """`steps` of a Keras SGD (momentum 0.9, which the spec's replaces) wrapped by our optimizer
+    with `spec` and autotune=1 settling on uncompressed steps, each step in the trace
+    next_trace() names. handoff=False: the spec keeps its own momentum after settling."""
+    variables = [tf.Variable(tf.zeros(shape), name=name) for name, shape in SHAPES.items()]
+    with pytest.warns(UserWarning, match="replaces the optimizer's own momentum"):
+        opt = hvdc_keras.DistributedOptimizer(tf.keras.optimizers.SGD(0.1, momentum=0.9),
+                                              compression=f"{spec},autotune=1",
+                                              min_compress_bytes=0, bucket_mb=BUCKET_MB)
+    reducer = opt._hvdc_reducer
+    assert reducer.handoff is not None
+    if not handoff:
+        reducer.handoff = None
+    slower_arm_clock(reducer.autotune, "compressed")
+    def train(gs):
+        with tf.GradientTape() as tape:  # whose gradients are gs, exactly
+            loss = tf.add_n([tf.reduce_sum(v * g) for v, g in zip(variables, gs)])
+        opt.apply_gradients(opt.compute_gradients(loss, variables, tape=tape))
+    functions = {}
+    for step in range(steps):
+        trace = reducer.next_trace()
+        if trace not in functions:
+            functions[trace] = tf.function(train)
+        grads = bucket_oracle.step_grads(step, WORLD)
+        functions[trace]([tf.constant(grads[name][RANK]) for name in SHAPES])
+    return variables, opt, functions
+
+
+@pytest.mark.parametrize("spec", ["dgc,k=0.05", "topk,k=0.05,ef=vanilla,momentum=nesterov"])
+def test_settled_uncompressed_steps_leave_the_spec_momentum_to_keras_sgd(spec):
+    """Once autotune settles on uncompressed steps, the optimizer's own momentum (Keras' SGD,
+    Nesterov's for momentum=nesterov) takes over from the spec's: its slots get the reduced
+    velocity times -lr, and the settled trace is Horovod's (allreduces, no momentum kernel, no
+    finite check, no count of stepping ranks). The weights follow the run that keeps the
+    spec's momentum, and the velocity read back is the mean of that run's velocities."""
+    from hvd_compress.autotune import WARMUP
+    steps = WARMUP + 2 + 3
+    moved, opt, functions = keras_sgd_run(spec, steps)
+    kept, kept_opt, _ = keras_sgd_run(spec, steps, handoff=False)
+    assert opt.momentum == 0.9 and opt.nesterov is ("nesterov" in spec), (opt.momentum,
+                                                                           opt.nesterov)
+    assert kept_opt.momentum == 0.0
+    # Both forms round differently, and sums cancel in places: float32 rounding of the
+    # largest element bounds the difference.
+    for a, b in zip(moved, kept):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5,
+                                   atol=1e-5 * np.abs(b.numpy()).max(),
+                                   err_msg=f"{spec}: {a.name}")
+    slot = spec_momentum(hc.parse_spec(spec))[2]
+    got, want = opt.compression_state_dict(), kept_opt.compression_state_dict()
+    for name in SHAPES:
+        mean = hvd.allreduce(tf.constant(want["slots"][name][slot]), op=hvd.Average,
+                             name=f"handoff_test.{name}").numpy()
+        np.testing.assert_allclose(got["slots"][name][slot], mean, rtol=1e-5,
+                                   atol=1e-5 * np.abs(mean).max(),
+                                   err_msg=f"{spec}: velocity of {name}")
+    types = all_op_types(functions["uncompressed"].get_concrete_function(
+        [tf.TensorSpec(shape) for shape in SHAPES.values()]).graph)
+    assert not {"HvdcHeavyBall", "HvdcNesterov", "HvdcAllFinite", "If",
+                "StatelessIf"} & types, types
+    assert not [t for t in types if t.startswith(CODEC_OPS)], types
+
+
+def test_a_trace_made_for_the_other_side_of_the_momentum_hand_over_stops_with_an_error():
+    """After the hand-over only the uncompressed trace may run (the others apply the spec's
+    momentum); after a state is loaded the momentum is the spec's again until the next
+    next_trace() hands it over, and the uncompressed trace may not run."""
+    from hvd_compress.autotune import WARMUP
+    variables, opt, functions = keras_sgd_run("dgc,k=0.05", WARMUP + 3)
+    grads = [tf.constant(bucket_oracle.step_grads(0, WORLD)[name][RANK]) for name in SHAPES]
+    with pytest.raises(tf.errors.InvalidArgumentError, match="momentum hand-over"):
+        functions["compressing"](grads)
+    reducer = opt._hvdc_reducer
+    reducer.load_state_dict(reducer.state_dict())
+    assert opt.momentum == 0.0
+    with pytest.raises(tf.errors.InvalidArgumentError, match="Reducer.next_trace"):
+        functions["uncompressed"](grads)
+    assert reducer.next_trace() == "uncompressed" and opt.momentum == 0.9
+    functions["uncompressed"](grads)
+
+
 @pytest.mark.parametrize("slow", ["compressed", "uncompressed"])
-def test_keras_autotune_callback_runs_each_batch_in_its_arms_trace(slow):
+@pytest.mark.parametrize("spec,momentum", [("onebit,ef=vanilla", 0.0), ("dgc,k=0.05", 0.9)])
+def test_keras_autotune_callback_runs_each_batch_in_its_arms_trace(slow, spec, momentum):
     """model.fit with AutotuneCallback: each batch runs the train function of its trace, each
-    made once; every rank ends with the same weights."""
+    made once; every rank ends with the same weights (DGC: also once the optimizer has taken
+    over the momentum)."""
     from hvd_compress.autotune import WARMUP
     probes = 1
     tf.keras.utils.set_random_seed(0)  # the same starting weights on every rank
     model = tf.keras.Sequential([tf.keras.layers.Dense(16, activation="tanh", input_shape=(8,)),
                                  tf.keras.layers.Dense(1)])
-    opt = hvdc_keras.DistributedOptimizer(tf.keras.optimizers.SGD(0.1),
-                                          compression=f"onebit,ef=vanilla,autotune={probes}",
-                                          min_compress_bytes=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DGC's: it replaces the optimizer's momentum
+        opt = hvdc_keras.DistributedOptimizer(tf.keras.optimizers.SGD(0.1, momentum=momentum),
+                                              compression=f"{spec},autotune={probes}",
+                                              min_compress_bytes=0)
     model.compile(optimizer=opt, loss="mse")
     slower_arm_clock(opt._hvdc_reducer.autotune, slow)
     functions = []
@@ -610,6 +697,7 @@ def test_keras_autotune_callback_runs_each_batch_in_its_arms_trace(slow):
         assert by_function.setdefault(trace, function) is function, (b, trace)
     assert len({id(f) for f in by_function.values()}) == len(by_function), by_function
     assert opt.compression_report()["autotune"]["compress"] is (slow == "uncompressed")
+    assert opt.momentum == (momentum if slow == "compressed" else 0.0), opt.momentum
     flat = tf.concat([tf.reshape(w, [-1]) for w in model.trainable_weights], 0)
     gathered = hvd.allgather(tf.expand_dims(flat, 0), name="autotune_callback.weights")
     assert all(np.array_equal(gathered[0].numpy(), g.numpy()) for g in gathered), "ranks diverged"
