@@ -85,8 +85,8 @@ class MomentumHandoff:
         self.holding = True
 
     def write_back(self, store, named: list) -> None:
-        """The optimizer's momentum as the spec's velocity, into the store (u = -m/lr; zero
-        where the learning rate is)."""
+        """The optimizer's momentum as the spec's velocity, into the store (u = -m/lr, or zero
+        if the learning rate is zero, where -m/lr has no value)."""
         with tf.init_scope():
             lr = self._learning_rate()
             for (name, v), m in zip(named, self._momenta([v for _, v in named])):
