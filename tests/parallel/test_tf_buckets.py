@@ -598,6 +598,7 @@ def keras_sgd_run(spec: str, steps: int, handoff: bool = True):
     if not handoff:
         reducer.handoff = None
     slower_arm_clock(reducer.autotune, "compressed")
+
     def train(gs):
         with tf.GradientTape() as tape:  # whose gradients are gs, exactly
             loss = tf.add_n([tf.reduce_sum(v * g) for v, g in zip(variables, gs)])
@@ -622,7 +623,7 @@ def test_settled_uncompressed_steps_leave_the_spec_momentum_to_keras_sgd(spec):
     from hvd_compress.autotune import WARMUP
     steps = WARMUP + 2 + 3
     moved, opt, functions = keras_sgd_run(spec, steps)
-    kept, kept_opt, _ = keras_sgd_run(spec, steps, handoff=False)
+    kept, kept_opt, kept_functions = keras_sgd_run(spec, steps, handoff=False)
     assert opt.momentum == 0.9 and opt.nesterov is ("nesterov" in spec), (opt.momentum,
                                                                            opt.nesterov)
     assert kept_opt.momentum == 0.0
@@ -640,11 +641,17 @@ def test_settled_uncompressed_steps_leave_the_spec_momentum_to_keras_sgd(spec):
         np.testing.assert_allclose(got["slots"][name][slot], mean, rtol=1e-5,
                                    atol=1e-5 * np.abs(mean).max(),
                                    err_msg=f"{spec}: velocity of {name}")
-    types = all_op_types(functions["uncompressed"].get_concrete_function(
-        [tf.TensorSpec(shape) for shape in SHAPES.values()]).graph)
+    inputs = [tf.TensorSpec(shape) for shape in SHAPES.values()]
+    graph = functions["uncompressed"].get_concrete_function(inputs).graph
+    types = all_op_types(graph)
     assert not {"HvdcHeavyBall", "HvdcNesterov", "HvdcAllFinite", "If",
                 "StatelessIf"} & types, types
     assert not [t for t in types if t.startswith(CODEC_OPS)], types
+
+    def counts(g):
+        return [n.name for n in g.as_graph_def().node if "stepping_ranks" in n.name]
+    assert not counts(graph) and counts(kept_functions["uncompressed"].get_concrete_function(
+        inputs).graph), "the count of stepping ranks goes with the spec's momentum"
 
 
 def test_a_trace_made_for_the_other_side_of_the_momentum_hand_over_stops_with_an_error():
