@@ -293,7 +293,7 @@ def test_network_paired_measures_our_rows_against_a_baseline_beside_them(tmp_pat
 @pytest.mark.slow  # two Keras ResNet-50 steps traced in a row, as REAL_MODELS' Keras case
 @pytest.mark.skipif(NETWORK_UNAVAILABLE is not None, reason=f"{NETWORK_UNAVAILABLE}")
 def test_network_paired_keras_trains_horovods_copy_beside_ours(tmp_path):
-    run("network.py", "--model", "keras-resnet50", "--bucket-mb", "4", "--steps", "1",
+    run("network.py", "--model", "keras-resnet50", "--bucket-mb", "4", "--steps", "2",
         "--rates", "10gbit", "--select", "topk", "--paired", "--out", str(tmp_path))
     data, _ = outputs(tmp_path, "network_keras-resnet50_buckets4mb_paired")
     by = {r["row"]: r for r in data["rows"]}
@@ -303,6 +303,40 @@ def test_network_paired_keras_trains_horovods_copy_beside_ours(tmp_path):
     assert mine["speedup"] == pytest.approx(mine["paired_base_ms"] / mine["ms_per_step"])
     # the bytes are topk's alone: Horovod's copy beside it sends float32 gradients
     assert 0 < mine["bytes_per_step"] < 25_583_592 * 4 / 10
+
+
+class QueuedLink:
+    """A veth whose counter lags what a step sent: each step's tail leaves during the next one,
+    whoever's that is, as the tails of Horovod's last chunks did at 1 Gbit/s."""
+
+    def __init__(self):
+        self.counted = self.queued = 0
+
+    def step(self, sends, tail):
+        def run():
+            self.counted += self.queued + sends - tail
+            self.queued = tail
+        return run
+
+
+@pytest.mark.parametrize("warmup,steps,alternate", [(3, 2, True), (3, 5, False), (4, 1, True),
+                                                    (6, 4, False)])
+def test_paired_bytes_are_ours_alone_with_the_baselines_tail_queued(monkeypatch, warmup, steps,
+                                                                    alternate):
+    import network
+    link = QueuedLink()
+    monkeypatch.setattr(network, "tx_bytes", lambda iface: link.counted)
+    r = network.time_paired(link.step(100, 40), link.step(1000, 400),
+                            {"warmup": warmup, "steps": steps}, "veth", lambda: None, alternate)
+    assert r["bytes_per_step"] == 100
+    assert len(r["steps_ms"]) == len(r["base_steps_ms"]) == steps
+
+
+def test_network_refuses_paired_steps_with_no_bytes_of_ours_alone():
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "network.py"),
+                           "--paired", "--steps", "1"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0
+    assert "after 3 warm-up steps needs --steps 2 or more, got 1" in proc.stderr
 
 
 def test_network_refuses_a_negative_autotune():
