@@ -350,7 +350,7 @@ def time_paired(step, base, opts, iface, sync, alternate_warmup=True):
     that `step` takes first in their pair, each of which follows one of its own: a step returns
     with the tail of what it sent still queued at the veth, and behind a baseline step that
     tail is the baseline's (a 0.3M-parameter MLP's `step` at 1 Gbit/s read 290,420 bytes a step
-    of which a tenth was its own). A step of `step` cannot return before the other ranks have
+    of which 44,000-63,000 were its own). A step of `step` cannot return before the other ranks have
     finished the baseline step before it, so by then the baseline's tail has left; its own tail
     it leaves to the window after it, as it took in the one before."""
     times, base_times = [], []
